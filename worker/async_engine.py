@@ -1,0 +1,158 @@
+"""AsyncEngine: the step loop in its own thread, streaming outputs to asyncio callers.
+
+Requests are validated in the caller's thread (a bad one raises there and never reaches the
+loop); adds and aborts are handed to the engine thread through a queue, so the engine itself
+stays single-threaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+
+from kvmesh.worker.engine import LLMEngine, Prompt
+from kvmesh.worker.outputs import RequestOutput
+from kvmesh.worker.sampling_params import SamplingParams
+
+logger = logging.getLogger("kvmesh.async_engine")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped (shutdown or a crash); no more requests can run."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine | None = None, **engine_args):
+        self.engine = engine if engine is not None else LLMEngine(**engine_args)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._stopped = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="kvmesh-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ caller side
+
+    async def generate(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs. Leaving the loop early (break, cancel) aborts it."""
+        req = self.engine.make_request(prompt, params, request_id)  # raises on bad input
+        if self._stopped:
+            raise EngineDeadError("the engine is shut down")
+        q: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if req.request_id in self._streams:
+                raise ValueError(f"request id {req.request_id!r} is already in use")
+            self._streams[req.request_id] = (asyncio.get_running_loop(), q)
+        self._send(("add", req))
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(req.request_id, None)
+            if not finished:
+                self._send(("abort", req.request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopped = True
+        self._send(("stop", None))
+        self._thread.join(timeout)
+
+    def call(self, fn, timeout: float = 30.0):
+        """Run ``fn(engine)`` on the engine thread between steps and return its result."""
+        done = threading.Event()
+        box: list = []
+
+        def run(engine):
+            try:
+                box.append((True, fn(engine)))
+            except BaseException as e:  # handed back to the caller
+                box.append((False, e))
+            done.set()
+
+        self._send(("call", run))
+        if not done.wait(timeout):
+            raise TimeoutError("the engine thread did not answer")
+        ok, val = box[0]
+        if not ok:
+            raise val
+        return val
+
+    def _send(self, cmd) -> None:
+        self._commands.put(cmd)
+        self._wake.set()
+
+    # ------------------------------------------------------------ engine thread
+
+    def _deliver(self, rid: str, item) -> None:
+        with self._lock:
+            target = self._streams.get(rid)
+        if target is not None:
+            loop, q = target
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, item)
+            except RuntimeError:  # the caller's loop is closed
+                self._commands.put(("abort", rid))
+
+    def _apply(self, cmd) -> bool:
+        kind, arg = cmd
+        if kind == "add":
+            try:
+                self.engine.add(arg)
+            except Exception as e:
+                self._deliver(arg.request_id, e)
+        elif kind == "abort":
+            out = self.engine.abort_request(arg)
+            if out is not None:
+                self._deliver(arg, out)
+        elif kind == "call":
+            arg(self.engine)
+        elif kind == "stop":
+            return False
+        return True
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                if not self.engine.has_unfinished_requests():
+                    self._wake.wait()
+                self._wake.clear()
+                while True:
+                    try:
+                        cmd = self._commands.get_nowait()
+                    except queue.Empty:
+                        break
+                    if not self._apply(cmd):
+                        self._abort_all(EngineDeadError("the engine is shutting down"))
+                        return
+                for out in self.engine.step():
+                    self._deliver(out.request_id, out)
+        except BaseException as e:  # a crash: fail every stream rather than hang it
+            logger.exception("engine loop crashed")
+            self.error = e
+            self._stopped = True
+            self._abort_all(EngineDeadError(f"the engine loop crashed: {e!r}"))
+
+    def _abort_all(self, err: Exception) -> None:
+        with self._lock:
+            rids = list(self._streams)
+        for rid in rids:
+            self.engine.abort_request(rid)
+            self._deliver(rid, err)

@@ -1,0 +1,49 @@
+"""Attention backends behind one interface, chosen by name from a registry.
+
+Each factory imports its backend lazily, so importing kvmesh never touches CUDA or Triton.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvmesh.worker.attention.base import AttentionBackend, AttentionMetadata, PrefillSpan
+
+
+def _torch_backend(**kw) -> AttentionBackend:
+    from kvmesh.worker.attention.torch_backend import TorchAttentionBackend
+
+    return TorchAttentionBackend(**kw)
+
+
+_REGISTRY: dict[str, Callable[..., AttentionBackend]] = {"torch": _torch_backend}
+
+
+def register_backend(name: str, factory: Callable[..., AttentionBackend]) -> None:
+    _REGISTRY[name] = factory
+
+
+def available_backends() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_backend(name: str, **kwargs) -> AttentionBackend:
+    """The backend ``name`` (``"torch"``; ``"triton"`` once the Triton issue lands)."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown attention backend {name!r}; available: {available_backends()}")
+    return _REGISTRY[name](**kwargs)
+
+
+def default_backend_name(device: str) -> str:
+    return "triton" if device.startswith("cuda") and "triton" in _REGISTRY else "torch"
+
+
+__all__ = [
+    "AttentionBackend",
+    "AttentionMetadata",
+    "PrefillSpan",
+    "available_backends",
+    "default_backend_name",
+    "get_backend",
+    "register_backend",
+]

@@ -1,0 +1,391 @@
+"""The engine on one accelerator: schedule -> run -> postprocess, and the offline ``LLM`` API."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvmesh.kvstore.events import EventLog
+from kvmesh.worker import envs
+from kvmesh.worker.attention import default_backend_name, get_backend
+from kvmesh.worker.config import CacheConfig, SchedulerConfig, parse_size, resolve_dtype
+from kvmesh.worker.kv_cache import KVCacheManager
+from kvmesh.worker.model_runner import ModelRunner
+from kvmesh.worker.models.llama import LlamaForCausalLM, rope_inv_freq
+from kvmesh.worker.models.loader import (
+    DEFAULT_MODEL,
+    load_config,
+    load_weights,
+    model_fingerprint,
+    resolve_model,
+)
+from kvmesh.worker.outputs import RequestOutput
+from kvmesh.worker.request import Request, RequestStatus
+from kvmesh.worker.sampler import sample
+from kvmesh.worker.sampling_params import SamplingParams
+from kvmesh.worker.scheduler import Scheduler
+from kvmesh.worker.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger("kvmesh.engine")
+
+Prompt = str | Sequence[int]
+
+_KV_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass
+class EngineStats:
+    num_requests_running: int
+    num_requests_waiting: int
+    kv_cache_usage_perc: float
+    num_pages: int
+    num_free_pages: int
+    bytes_per_token: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    tokens_computed: int
+    num_preemptions: int
+    queued_prefill_tokens: int
+
+
+class LLMEngine:
+    """Runs one model over a paged KV cache. Not thread-safe: one thread drives ``step``."""
+
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        *,
+        dtype: str | torch.dtype = "auto",
+        kv_cache_dtype: str = "auto",
+        block_size: int = 16,
+        kv_cache_memory: str | int = "1GiB",
+        num_pages: int | None = None,
+        enable_prefix_caching: bool = True,
+        max_num_seqs: int = 128,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        max_waiting: int = 4096,
+        device: str | None = None,
+        attention_backend: str | None = None,
+        engine_id: str | None = None,
+    ):
+        if envs.num_threads():
+            torch.set_num_threads(envs.num_threads())
+        self.src = resolve_model(model)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = resolve_dtype(dtype)
+        self.cache_config = CacheConfig(
+            block_size=block_size,
+            kv_cache_memory=parse_size(kv_cache_memory),
+            kv_cache_dtype=kv_cache_dtype,
+            enable_prefix_caching=enable_prefix_caching,
+            num_blocks_override=num_pages,
+        )
+        t0 = time.monotonic()
+        self.model_config = cfg = load_config(self.src)
+        self.model_fp = model_fingerprint(self.src)
+        self.tokenizer = Tokenizer.load(self.src, self.model_fp)
+        with torch.device("meta"):
+            model_mod = LlamaForCausalLM(cfg)
+        model_mod = model_mod.to_empty(device=self.device).to(self.dtype)
+        # buffers made on the meta device hold garbage after to_empty; rope stays float32
+        model_mod.model.rotary_emb.inv_freq = rope_inv_freq(cfg).to(self.device)
+        if cfg.tie_word_embeddings:
+            model_mod.lm_head.weight = model_mod.model.embed_tokens.weight
+        load_weights(model_mod, self.src, self.dtype)
+        self.model = model_mod.eval()
+
+        # page pool sized from the byte budget
+        kv_dtype = self.dtype if kv_cache_dtype == "auto" else _KV_DTYPES[kv_cache_dtype]
+        bs = block_size
+        elem = torch.tensor([], dtype=kv_dtype).element_size()
+        self.bytes_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * elem
+        n_pages = num_pages or self.cache_config.kv_cache_memory // (self.bytes_per_token * bs)
+        if n_pages < 2:
+            raise ValueError(
+                f"kv_cache_memory={kv_cache_memory!r} holds {n_pages} pages of "
+                f"{self.bytes_per_token * bs} bytes; at least 2 are needed"
+            )
+        shape = (cfg.num_layers, 2, n_pages, bs, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_cache = torch.empty(shape, dtype=kv_dtype, device=self.device)
+        self.kv_cache[:, :, 0].zero_()  # the null page: padding reads zeros, never garbage
+
+        capacity = (n_pages - 1) * bs
+        limit = max_model_len or cfg.max_position_embeddings
+        if limit > capacity:
+            if max_model_len:
+                logger.warning(
+                    "max_model_len %d exceeds the KV cache (%d tokens); lowering it", limit, capacity
+                )
+            limit = capacity
+        self.scheduler_config = SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=min(limit, cfg.max_position_embeddings),
+            max_waiting=max_waiting,
+        )
+        self.engine_id = engine_id or uuid.uuid4().hex[:12]
+        self.events = EventLog(self.engine_id)
+        self.kv = KVCacheManager(n_pages, bs, self.events, enable_prefix_caching)
+        self.scheduler = Scheduler(self.scheduler_config, self.kv)
+        backend_name = attention_backend or default_backend_name(self.device.type)
+        self.backend = get_backend(backend_name, sliding_window=cfg.sliding_window)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.kv, self.backend, self.device)
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        logger.info(
+            "engine %s: model %s (%s, %d layers) on %s, %d pages of %d tokens (%.0f MiB), "
+            "max_model_len %d, loaded in %.1fs",
+            self.engine_id, self.src.name, cfg.architecture, cfg.num_layers, self.device,
+            n_pages, bs, self.kv_cache.numel() * elem / 2**20,
+            self.scheduler_config.max_model_len, time.monotonic() - t0,
+        )  # fmt: skip
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler_config.max_model_len
+
+    # ------------------------------------------------------------ requests
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as token ids")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def make_request(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> Request:
+        """Validate and build a request without touching engine state (safe from any thread).
+        Raises ValueError naming the problem."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if not isinstance(prompt, str) and not isinstance(prompt, Sequence):
+            raise ValueError(f"a prompt is a str or a list of token ids, got {type(prompt).__name__}")
+        ids = self.tokenize(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}, "
+                f"which must leave room for at least one generated token"
+            )
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        req = Request(
+            request_id=rid,
+            prompt_token_ids=ids,
+            params=params,
+            block_size=self.cache_config.block_size,
+            model_fp=self.model_fp,
+            prompt=prompt if isinstance(prompt, str) else None,
+        )
+        if self.tokenizer is not None:
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids)
+        return req
+
+    def add(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        if len(self.scheduler.waiting) >= self.scheduler_config.max_waiting:
+            raise QueueFullError(
+                f"the waiting queue is full ({self.scheduler_config.max_waiting} requests)"
+            )
+        self.requests[req.request_id] = req
+        self.scheduler.add(req)
+
+    def add_request(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        req = self.make_request(prompt, params, request_id)
+        self.add(req)
+        return req.request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its pages now. Unknown ids are ignored (returns None)."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        return self._output(req, [], "")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------ the step
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model, sample, and report every request that changed."""
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        sampled, logits = self.runner.execute(sched.scheduled)
+        for req, n in sched.scheduled:
+            req.num_computed_tokens += n
+        tokens, logprobs = sample(logits, sampled) if sampled else ([], [])
+        outputs = []
+        now = time.monotonic()
+        for req, tok, lp in zip(sampled, tokens, logprobs):
+            if req.first_token_time is None:
+                req.first_token_time = now
+            req.append_token(tok)
+            if lp is not None:
+                req.logprobs.append(lp)
+            delta = req.detokenizer.push(tok) if req.detokenizer is not None else ""
+            status, delta = self._check_stop(req, tok, delta)
+            if status is not None:
+                self.requests.pop(req.request_id, None)
+                self.scheduler.finish(req, status)
+            outputs.append(self._output(req, [tok], delta))
+        return outputs
+
+    def _check_stop(self, req: Request, tok: int, delta: str) -> tuple[RequestStatus | None, str]:
+        p = req.params
+        if p.stop and req.detokenizer is not None:
+            text = req.detokenizer.text
+            # only the tail can hold a new match: the delta plus a stop string's length
+            tail_from = max(0, len(text) - len(delta) - max(map(len, p.stop)) + 1)
+            for s in p.stop:
+                at = text.find(s, tail_from)
+                if at >= 0:
+                    cut = at + len(s) if p.include_stop_str_in_output else at
+                    delta = delta[: max(0, len(delta) - (len(text) - cut))]
+                    req.text = text[:cut]
+                    req.stop_reason = s
+                    return RequestStatus.FINISHED_STOPPED, delta
+        if tok in p.stop_token_ids:
+            req.stop_reason = tok
+            return RequestStatus.FINISHED_STOPPED, delta
+        if not p.ignore_eos and tok in self._eos_ids():
+            req.stop_reason = tok
+            return RequestStatus.FINISHED_STOPPED, delta
+        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH, delta
+        return None, delta
+
+    def _eos_ids(self) -> set[int]:
+        ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    def _output(self, req: Request, new_ids: list[int], delta: str) -> RequestOutput:
+        finished = req.status.finished
+        text = ""
+        if req.detokenizer is not None:
+            if finished and isinstance(req.stop_reason, str):
+                text = req.text  # cut at the stop string
+            elif finished:
+                text = self.tokenizer.decode(req.output_token_ids, req.params.skip_special_tokens)
+            else:
+                text = req.detokenizer.text
+        cached = max(req.num_cached_tokens, 0)
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            token_ids=list(req.output_token_ids),
+            text=text,
+            new_token_ids=new_ids,
+            new_text=delta,
+            finished=finished,
+            finish_reason=req.status.value if finished else None,
+            num_cached_tokens=cached,
+            cached_tokens_by_tier={"device": cached},
+            logprobs=list(req.logprobs) if req.params.logprobs else None,
+            stop_reason=req.stop_reason,
+            ttft_s=(req.first_token_time - req.arrival_time) if req.first_token_time else None,
+        )
+
+    # ------------------------------------------------------------ stats
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in s.waiting)
+        queued += sum(
+            r.num_tokens - r.num_computed_tokens for r in s.running if r.num_computed_tokens < r.num_prompt_tokens
+        )
+        return EngineStats(
+            num_requests_running=len(s.running),
+            num_requests_waiting=len(s.waiting),
+            kv_cache_usage_perc=self.kv.usage(),
+            num_pages=self.kv.pool.num_pages,
+            num_free_pages=self.kv.num_free_pages,
+            bytes_per_token=self.bytes_per_token,
+            prefix_cache_queries=self.kv.prefix_queries,
+            prefix_cache_hits=self.kv.prefix_hits,
+            tokens_computed=self.runner.tokens_computed,
+            num_preemptions=s.num_preemptions,
+            queued_prefill_tokens=queued,
+        )
+
+    def reset_prefix_cache(self) -> int:
+        return self.kv.pool.reset_prefix_cache()
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at ``max_waiting``; retry later (gRPC: RESOURCE_EXHAUSTED)."""
+
+
+class LLM:
+    """Offline batch API: ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
+
+    def __init__(self, model: str = DEFAULT_MODEL, **engine_args):
+        self.engine = LLMEngine(model, **engine_args)
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion as one continuous batch; outputs in input order.
+        Every prompt is validated before anything runs."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        elif len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        reqs = []
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            try:
+                reqs.append(self.engine.make_request(p, sp))
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        for r in reqs:
+            self.engine.add(r)
+        final: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[r.request_id] for r in reqs]
+
+    def chat(self, messages: list[dict], params: SamplingParams | None = None) -> RequestOutput:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so no chat template")
+        return self.generate(self.tokenizer.apply_chat_template(messages), params)[0]
+
+    def reset_prefix_cache(self) -> int:
+        return self.engine.reset_prefix_cache()
+
+
+__all__ = ["LLM", "LLMEngine", "QueueFullError", "EngineStats"]

@@ -1,0 +1,26 @@
+"""The one place kvmesh reads environment variables. Each knob is typed and documented."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def _str(name: str, default: str) -> str:
+    return os.environ.get(name, default)
+
+
+def cache_dir() -> Path:
+    """KVMESH_CACHE_DIR: where converted tokenizers and fingerprints are cached."""
+    return Path(_str("KVMESH_CACHE_DIR", str(Path.home() / ".cache" / "kvmesh")))
+
+
+def num_threads() -> int | None:
+    """KVMESH_NUM_THREADS: torch intra-op threads for the engine (unset: torch's default)."""
+    v = os.environ.get("KVMESH_NUM_THREADS")
+    return int(v) if v else None
+
+
+def log_level() -> str:
+    """KVMESH_LOG_LEVEL: the level of kvmesh's loggers (default INFO)."""
+    return _str("KVMESH_LOG_LEVEL", "INFO").upper()

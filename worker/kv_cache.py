@@ -1,0 +1,244 @@
+"""The page pool and the KV cache manager: reference counts, prefix caching, LRU eviction.
+
+Page 0 is the reserved null page: it is never handed out, and padding slots point at it.
+A page's hash is written once, when the page fills with known tokens; it is cleared only when
+the page is evicted for reuse. Pages whose reference count drops to zero go to the tail of an
+O(1) doubly-linked free list and keep their hash, so a later request can still hit them;
+allocation takes from the head, evicting the least recently freed page first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from kvmesh.kvstore.events import EventLog
+from kvmesh.worker.request import Request
+
+
+class Page:
+    __slots__ = ("page_id", "ref_cnt", "block_hash", "prev", "next")
+
+    def __init__(self, page_id: int):
+        self.page_id = page_id
+        self.ref_cnt = 0
+        self.block_hash: bytes | None = None
+        self.prev: Page | None = None
+        self.next: Page | None = None
+
+    def __repr__(self) -> str:
+        return f"Page({self.page_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
+
+
+class FreePageQueue:
+    """Doubly-linked list of free pages between two sentinels; every operation is O(1)."""
+
+    def __init__(self, pages: Iterable[Page]):
+        self._head = Page(-1)
+        self._tail = Page(-1)
+        self._head.next, self._tail.prev = self._tail, self._head
+        self.num_free = 0
+        for p in pages:
+            self.append(p)
+
+    def append(self, page: Page) -> None:
+        last = self._tail.prev
+        last.next = page
+        page.prev, page.next = last, self._tail
+        self._tail.prev = page
+        self.num_free += 1
+
+    def remove(self, page: Page) -> None:
+        if page.prev is None:
+            raise ValueError(f"{page} is not in the free queue")
+        page.prev.next, page.next.prev = page.next, page.prev
+        page.prev = page.next = None
+        self.num_free -= 1
+
+    def popleft(self) -> Page:
+        first = self._head.next
+        if first is self._tail:
+            raise IndexError("no free pages")
+        self.remove(first)
+        return first
+
+    def __len__(self) -> int:
+        return self.num_free
+
+    def page_ids(self) -> list[int]:
+        out, p = [], self._head.next
+        while p is not self._tail:
+            out.append(p.page_id)
+            p = p.next
+        return out
+
+
+class PagePool:
+    """Owns every page, the free queue and the hash -> cached page map. Emits block events."""
+
+    def __init__(self, num_pages: int, events: EventLog):
+        if num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2 (page 0 is the null page), got {num_pages}")
+        self.pages = [Page(i) for i in range(num_pages)]
+        self.null_page = self.pages[0]
+        self.null_page.ref_cnt = 1  # never freed, never handed out
+        self.free_queue = FreePageQueue(self.pages[1:])
+        self.cached: dict[bytes, Page] = {}
+        self.events = events
+        # parent hash and tokens of each cached page, for BlockStored events
+        self.evictions = 0
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.pages)
+
+    @property
+    def num_free(self) -> int:
+        return self.free_queue.num_free
+
+    def usage(self) -> float:
+        """Fraction of usable pages held by running requests (0.0 - 1.0)."""
+        usable = self.num_pages - 1
+        return (usable - self.num_free) / usable
+
+    def take(self, n: int) -> list[Page]:
+        """Take ``n`` pages from the LRU head, evicting their cached hashes. Caller checks
+        ``num_free`` first."""
+        if n > self.num_free:
+            raise ValueError(f"asked for {n} pages, {self.num_free} free")
+        out = []
+        for _ in range(n):
+            p = self.free_queue.popleft()
+            if p.block_hash is not None:
+                self._evict(p)
+            p.ref_cnt = 1
+            out.append(p)
+        return out
+
+    def _evict(self, page: Page) -> None:
+        h = page.block_hash
+        if self.cached.get(h) is page:
+            del self.cached[h]
+            self.events.removed(h)
+        page.block_hash = None
+        self.evictions += 1
+
+    def touch(self, pages: Iterable[Page]) -> None:
+        """Take a reference on cached pages a new request reuses (pulling free ones out of the
+        free queue so they cannot be evicted)."""
+        for p in pages:
+            if p.ref_cnt == 0:
+                self.free_queue.remove(p)
+            p.ref_cnt += 1
+
+    def release(self, pages: Iterable[Page]) -> None:
+        """Drop a reference; pages reaching zero join the free queue's tail in the given order
+        (callers pass a request's pages last-first, so its tail is evicted before its prefix)."""
+        for p in pages:
+            p.ref_cnt -= 1
+            if p.ref_cnt < 0:
+                raise AssertionError(f"{p}: reference count went negative")
+            if p.ref_cnt == 0:
+                self.free_queue.append(p)
+
+    def cache_page(self, page: Page, block_hash: bytes, parent: bytes | None, tokens) -> None:
+        if page.block_hash is not None:
+            raise AssertionError(f"{page} already has a hash; page hashes are write-once")
+        if block_hash in self.cached:
+            return  # another request computed the same page first: keep that one
+        page.block_hash = block_hash
+        self.cached[block_hash] = page
+        self.events.stored(block_hash, parent, tokens, len(tokens))
+
+    def lookup(self, block_hash: bytes) -> Page | None:
+        return self.cached.get(block_hash)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached page that no request holds. Returns how many were dropped."""
+        dropped = 0
+        for p in list(self.cached.values()):
+            if p.ref_cnt == 0:
+                self._evict(p)
+                dropped += 1
+        return dropped
+
+
+class KVCacheManager:
+    """Maps requests to pages. ``allocate_slots`` returns the new pages or None when the pool
+    cannot hold the request's next tokens; it never preempts (that is the scheduler's call)."""
+
+    def __init__(self, num_pages: int, block_size: int, events: EventLog, enable_prefix_caching=True):
+        self.block_size = block_size
+        self.pool = PagePool(num_pages, events)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.req_pages: dict[str, list[Page]] = {}
+        self._num_hashed: dict[str, int] = {}
+        self.prefix_queries = 0  # prompt tokens looked up (Prometheus prefix_cache_queries)
+        self.prefix_hits = 0  # of which were found (prefix_cache_hits)
+
+    def get_computed_pages(self, req: Request) -> tuple[list[Page], int]:
+        """The longest run of cached pages from the start of ``req``'s tokens, and how many
+        tokens they hold. At least the last token is always left to compute, for its logits.
+        This does not modify the cache."""
+        if not self.enable_prefix_caching:
+            return [], 0
+        max_pages = (req.num_tokens - 1) // self.block_size
+        pages = []
+        for h in req.block_hashes[:max_pages]:
+            p = self.pool.lookup(h)
+            if p is None:
+                break
+            pages.append(p)
+        return pages, len(pages) * self.block_size
+
+    def allocate_slots(
+        self, req: Request, num_new_tokens: int, computed: list[Page] | None = None
+    ) -> list[Page] | None:
+        """Give ``req`` pages for ``num_new_tokens`` more tokens beyond its computed ones (and
+        beyond ``computed``, cached pages it reuses). Returns the new pages, or None (and
+        changes nothing) when too few pages are free."""
+        computed = computed or []
+        held = self.req_pages.get(req.request_id, [])
+        total = req.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        needed = -(-total // self.block_size) - len(held) - len(computed)
+        reclaim = sum(1 for p in computed if p.ref_cnt == 0)  # free now, but about to be held
+        if needed > self.pool.num_free - reclaim:
+            return None
+        if req.request_id not in self.req_pages:
+            self.req_pages[req.request_id] = held = []
+            self._num_hashed[req.request_id] = 0
+        self.pool.touch(computed)
+        held.extend(computed)
+        self._num_hashed[req.request_id] += len(computed)
+        new = self.pool.take(max(needed, 0))
+        held.extend(new)
+        if self.enable_prefix_caching:
+            self._cache_full_pages(req, held, total)
+        return new
+
+    def _cache_full_pages(self, req: Request, held: list[Page], num_tokens: int) -> None:
+        # Safe before the forward pass: the step that writes these tokens runs before any
+        # other request can be scheduled onto the pages.
+        bs = self.block_size
+        start = self._num_hashed[req.request_id]
+        end = min(num_tokens // bs, len(req.block_hashes))
+        for i in range(start, end):
+            parent = req.block_hashes[i - 1] if i else None
+            self.pool.cache_page(
+                held[i], req.block_hashes[i], parent, req.all_token_ids[i * bs : (i + 1) * bs]
+            )
+        self._num_hashed[req.request_id] = max(start, end)
+
+    def free(self, req: Request) -> None:
+        pages = self.req_pages.pop(req.request_id, [])
+        self._num_hashed.pop(req.request_id, None)
+        self.pool.release(reversed(pages))
+
+    def page_ids(self, req: Request) -> list[int]:
+        return [p.page_id for p in self.req_pages.get(req.request_id, [])]
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.pool.num_free
+
+    def usage(self) -> float:
+        return self.pool.usage()

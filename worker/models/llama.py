@@ -1,0 +1,153 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, SmolLM2) over a paged KV cache.
+
+Parameter names equal Hugging Face's, so a checkpoint loads by name. The model sees one
+flat batch of T tokens from many requests; attention goes through the backend, which owns
+the cache layout.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvmesh.worker.attention import AttentionBackend
+from kvmesh.worker.models.config import ModelConfig
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Rotary inverse frequencies (head_dim/2,), with linear or llama3 scaling applied."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    rs = cfg.rope_scaling or {}
+    kind = rs.get("rope_type", "default")
+    if kind == "linear":
+        inv = inv / rs["factor"]
+    elif kind == "llama3":
+        factor = rs["factor"]
+        low, high = rs["low_freq_factor"], rs["high_freq_factor"]
+        old_len = rs["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv = torch.where(is_medium, smoothed, scaled)
+    return inv
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype):
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (T, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (T, D)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (T, H, D); cos/sin: (T, D). Half-split (rotate_half) layout, as Hugging Face."""
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rot * sin[:, None, :]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        h = cfg.hidden_size
+        self.q_proj = nn.Linear(h, self.nh * self.hd, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(h, self.nkv * self.hd, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(h, self.nkv * self.hd, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.nh * self.hd, h, bias=cfg.o_bias)
+        self.scale = self.hd**-0.5
+
+    def forward(self, x, cos, sin, k_cache, v_cache, backend: AttentionBackend):
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.nh, self.hd)  # (T, nh, hd)
+        k = self.k_proj(x).view(T, self.nkv, self.hd)  # (T, nkv, hd)
+        v = self.v_proj(x).view(T, self.nkv, self.hd)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        o = backend.forward(q, k, v, k_cache, v_cache, self.scale)  # (T, nh, hd)
+        return self.o_proj(o.reshape(T, self.nh * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, backend):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(cfg)
+
+
+class LlamaForCausalLM(nn.Module):
+    """``forward`` returns logits (len(logit_indices), vocab) for the selected tokens only."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (T,)
+        positions: torch.Tensor,  # (T,)
+        kv_cache: torch.Tensor,  # (num_layers, 2, num_pages, block_size, Hkv, D)
+        backend: AttentionBackend,
+        logit_indices: torch.Tensor,  # (S,) indices into the T tokens
+    ) -> torch.Tensor:
+        m = self.model
+        x = m.embed_tokens(input_ids)  # (T, hidden)
+        cos, sin = m.rotary_emb(positions, x.dtype)
+        for i, layer in enumerate(m.layers):
+            x = layer(x, cos, sin, kv_cache[i, 0], kv_cache[i, 1], backend)
+        x = m.norm(x[logit_indices])  # (S, hidden)
+        return self.lm_head(x).float()  # (S, vocab)

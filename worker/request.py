@@ -1,0 +1,73 @@
+"""A request's state as it moves through the scheduler and the cache."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvmesh.kvstore.hashing import hash_pages, root_hash
+from kvmesh.worker.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort")
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    block_size: int
+    model_fp: str
+    prompt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # set when first scheduled; -1 until then
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    stop_reason: int | str | None = None
+
+    def __post_init__(self):
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.block_hashes: list[bytes] = hash_pages(
+            self.all_token_ids, self.block_size, self.model_fp
+        )
+        self.generator: torch.Generator | None = None
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+        self.detokenizer = None  # set by the engine when it has a tokenizer
+        self.text = ""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if self.num_tokens // self.block_size > len(self.block_hashes):
+            n = len(self.block_hashes)
+            parent = self.block_hashes[-1] if n else root_hash(self.model_fp)
+            self.block_hashes += hash_pages(
+                self.all_token_ids, self.block_size, self.model_fp, parent=parent, start_page=n
+            )

@@ -1,0 +1,43 @@
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs."""
+
+from __future__ import annotations
+
+import torch
+
+from kvmesh.worker.request import Request
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """logits: (V,) already divided by temperature. Masks what top-k/top-p exclude to -inf."""
+    if top_k > 0 and top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        # drop a token when the mass before it already reaches top_p (the first always stays)
+        drop = (cum - sorted_logits.softmax(-1)) >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(0, order, sorted_logits)
+    return logits
+
+
+def sample(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[float | None]]:
+    """logits: (S, V) float32, one row per request. Returns token ids and, where asked,
+    the sampled token's logprob under the raw distribution."""
+    greedy_ids = logits.argmax(dim=-1).tolist()
+    tokens: list[int] = []
+    logprobs: list[float | None] = []
+    want_lp = any(r.params.logprobs for r in requests)
+    raw_lp = torch.log_softmax(logits, dim=-1) if want_lp else None
+    for i, req in enumerate(requests):
+        p = req.params
+        if p.greedy:
+            tok = greedy_ids[i]
+        else:
+            row = _filter_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
+            probs = row.softmax(-1)
+            tok = int(torch.multinomial(probs, 1, generator=req.generator).item())
+        tokens.append(tok)
+        logprobs.append(float(raw_lp[i, tok]) if p.logprobs else None)
+    return tokens, logprobs

@@ -1,0 +1,102 @@
+"""The scheduler: one rule for continuous batching, chunked prefill and prefix caching.
+
+There is no prefill phase and no decode phase. Every request has ``num_computed_tokens``;
+each step gives each request ``min(remaining, budget left)`` new tokens under
+``max_num_batched_tokens`` and ``max_num_seqs``. Running requests go first (oldest first),
+then waiting ones in arrival order (FCFS). When the pool runs out of pages, the newest running
+request is preempted: its pages are freed (they stay in the prefix cache) and it goes back to
+the front of the queue, to be recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvmesh.worker.config import SchedulerConfig
+from kvmesh.worker.kv_cache import KVCacheManager
+from kvmesh.worker.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt_newest(self, out: SchedulerOutput) -> Request:
+        victim = self.running.pop()
+        self.kv.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        out.preempted.append(victim)
+        return victim
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while self.kv.allocate_slots(req, num_new) is None:
+                if self._preempt_newest(out) is req:
+                    break
+            else:
+                out.scheduled.append((req, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break  # req itself was preempted: nothing older is left to try
+        if out.preempted:
+            return out  # the pool is full: admitting new work now would only thrash
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            computed, num_hit = self.kv.get_computed_pages(req)
+            num_new = min(req.num_tokens - num_hit, budget)
+            if self.kv.allocate_slots(req, num_new, computed) is None:
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+                self.kv.prefix_queries += req.num_tokens
+                self.kv.prefix_hits += num_hit
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append((req, num_new))
+            budget -= num_new
+        return out
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Remove a running or waiting request and free its pages at once."""
+        req.status = status
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        self.kv.free(req)
