@@ -1,0 +1,1 @@
+"""Ray wiring, configuration, the ``kvmesh`` CLI, the client SDK and autoscaling."""

