@@ -21,6 +21,7 @@ Prints one JSON object on stdout; progress goes to stderr.
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import os
@@ -30,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -291,7 +293,6 @@ def main():
         "token_ids": token_ids,
         "vllm_version": vllm.__version__,
         "torch_version": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
         "dtype": str(getattr(model_config, "dtype", spec["dtype"])).replace("torch.", ""),
     }
     with open(spec["result_path"], "w") as f:
@@ -307,9 +308,19 @@ def export_hf_folder(src, hf_model, tok, out_dir: Path) -> Path:
     """Save the GGUF-loaded model as a Hugging Face folder (safetensors, fp32), once."""
     if (out_dir / "config.json").is_file():
         return out_dir
+    from transformers import AutoModelForCausalLM
+
+    # A GGUF-loaded model keeps its quantizer attached and refuses save_pretrained, although
+    # its weights are already plain fp32: copy them into a clean model of the same config.
+    config = copy.deepcopy(hf_model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.architectures = [type(hf_model).__name__]
+    clean = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    clean.load_state_dict(hf_model.state_dict(), strict=True)
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    hf_model.save_pretrained(str(tmp))
+    clean.save_pretrained(str(tmp))
     tok.save_pretrained(str(tmp))
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp.rename(out_dir)
@@ -339,17 +350,31 @@ def run_vllm(args, prompts, model_dir: Path, kvmesh_cfg: dict) -> tuple[dict, li
         env.setdefault("VLLM_TARGET_DEVICE", "cpu")
         log(f"vllm: running {args.vllm_python} on {model_dir} ({args.vllm_dtype}) ...")
         t0 = time.monotonic()
-        proc = subprocess.run(
+        # vLLM logs to stdout too: relay everything to stderr, keeping stdout for our JSON,
+        # and keep the worker's OpenMP binding (vLLM CPU pins its worker to chosen cores)
+        binding = []
+        with subprocess.Popen(
             [args.vllm_python, str(script), str(spec_path)],
-            stdout=sys.stderr,  # vLLM logs to stdout; keep ours clean for the JSON
-            stderr=sys.stderr,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             env=env,
             cwd=tmp,
-            timeout=args.vllm_timeout,
-        )
+            text=True,
+            errors="replace",
+        ) as proc:
+            watchdog = threading.Timer(args.vllm_timeout, proc.kill)
+            watchdog.start()
+            try:
+                for line in proc.stdout:
+                    sys.stderr.write(line)
+                    if "core ids=" in line or "reserved_cpus=" in line:
+                        binding.append(line.strip())
+                rc = proc.wait()
+            finally:
+                watchdog.cancel()
         wall = time.monotonic() - t0
-        if proc.returncode != 0 or not result_path.is_file():
-            raise RuntimeError(f"the vLLM subprocess failed (exit {proc.returncode}); see stderr")
+        if rc != 0 or not result_path.is_file():
+            raise RuntimeError(f"the vLLM subprocess failed (exit {rc}); its log is above")
         r = json.loads(result_path.read_text())
     result = {
         "vllm_elapsed_s": round(r["elapsed_s"], 3),
@@ -358,10 +383,11 @@ def run_vllm(args, prompts, model_dir: Path, kvmesh_cfg: dict) -> tuple[dict, li
             "python": args.vllm_python,
             "version": r["vllm_version"],
             "torch_version": r["torch_version"],
-            "torch_threads": r["torch_threads"],
             "dtype": r["dtype"],
             "model_dir": str(model_dir),
             "kv_cache_space_gib": env["VLLM_CPU_KVCACHE_SPACE"],
+            "omp_binding": binding,
+            "env": {k: v for k, v in env.items() if k.startswith("VLLM_CPU")},
             "process_wall_s": round(wall, 1),
         },
     }
@@ -389,7 +415,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vllm-python", default=None, help="python of a virtualenv with vllm-cpu")
     p.add_argument("--vllm-dtype", default="float32")
     p.add_argument("--vllm-export-dir", type=Path, default=None, help="HF folder for vLLM")
-    p.add_argument("--vllm-timeout", type=float, default=1800)
+    p.add_argument("--vllm-timeout", type=float, default=1800, help="seconds, then kill")
     args = p.parse_args(argv)
     for name in ("num_prompts", "prompt_tokens", "max_tokens", "hf_seq_prompts"):
         if getattr(args, name) < 1:

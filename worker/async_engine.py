@@ -27,6 +27,9 @@ class EngineDeadError(RuntimeError):
 class AsyncEngine:
     def __init__(self, engine: LLMEngine | None = None, **engine_args):
         self.engine = engine if engine is not None else LLMEngine(**engine_args)
+        if self.engine.driver is not None:
+            raise RuntimeError("this LLMEngine is already driven by another AsyncEngine")
+        self.engine.driver = self
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -74,6 +77,7 @@ class AsyncEngine:
         self._stopped = True
         self._send(("stop", None))
         self._thread.join(timeout)
+        self.engine.driver = None
 
     def call(self, fn, timeout: float = 30.0):
         """Run ``fn(engine)`` on the engine thread between steps and return its result."""

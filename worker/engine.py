@@ -139,6 +139,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv, self.backend, self.device)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        self.driver = None  # the AsyncEngine whose thread steps this engine, if any
         logger.info(
             "engine %s: model %s (%s, %d layers) on %s, %d pages of %d tokens (%.0f MiB), "
             "max_model_len %d, loaded in %.1fs",
@@ -364,6 +365,10 @@ class LLM:
             params = [params or SamplingParams()] * len(prompts)
         elif len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        if self.engine.driver is not None:
+            raise RuntimeError(
+                "this engine is driven by an AsyncEngine; use AsyncEngine.generate instead"
+            )
         reqs = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
             try:

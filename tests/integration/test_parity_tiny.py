@@ -65,7 +65,11 @@ def _make_checkpoint(tmp_path_factory, name: str):
     if name == "qwen2-bias":  # random init leaves biases at zero: make them matter
         with torch.no_grad():
             for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                for proj in (
+                    layer.self_attn.q_proj,
+                    layer.self_attn.k_proj,
+                    layer.self_attn.v_proj,
+                ):
                     proj.bias.normal_(0, 0.5)
     path = tmp_path_factory.mktemp(name)
     model.save_pretrained(path)
