@@ -12,8 +12,12 @@ from kvmesh.worker import envs
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     from kvmesh.worker.models.loader import DEFAULT_MODEL
 
-    p.add_argument("--model", default=DEFAULT_MODEL, help="registered name, .gguf file or HF folder")
-    p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), fp32, fp16, bf16")
+    p.add_argument(
+        "--model", default=DEFAULT_MODEL, help="registered name, .gguf file or HF folder"
+    )
+    p.add_argument(
+        "--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), fp32, fp16, bf16"
+    )
     p.add_argument("--kv-cache-dtype", default="auto", help="auto, fp32, fp16, bf16")
     p.add_argument("--kv-cache-memory", default="1GiB", help="byte budget of the KV page pool")
     p.add_argument("--block-size", type=int, default=16)

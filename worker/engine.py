@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-
 from kvmesh.kvstore.events import EventLog
 from kvmesh.worker import envs
 from kvmesh.worker.attention import default_backend_name, get_backend
@@ -121,7 +120,9 @@ class LLMEngine:
         if limit > capacity:
             if max_model_len:
                 logger.warning(
-                    "max_model_len %d exceeds the KV cache (%d tokens); lowering it", limit, capacity
+                    "max_model_len %d exceeds the KV cache (%d tokens); lowering it",
+                    limit,
+                    capacity,
                 )
             limit = capacity
         self.scheduler_config = SchedulerConfig(
@@ -170,12 +171,16 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         if not isinstance(prompt, str) and not isinstance(prompt, Sequence):
-            raise ValueError(f"a prompt is a str or a list of token ids, got {type(prompt).__name__}")
+            raise ValueError(
+                f"a prompt is a str or a list of token ids, got {type(prompt).__name__}"
+            )
         ids = self.tokenize(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
         vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        bad = [
+            t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab
+        ]
         if bad:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
         if len(ids) >= self.max_model_len:
@@ -315,7 +320,9 @@ class LLMEngine:
         s = self.scheduler
         queued = sum(r.num_tokens - r.num_computed_tokens for r in s.waiting)
         queued += sum(
-            r.num_tokens - r.num_computed_tokens for r in s.running if r.num_computed_tokens < r.num_prompt_tokens
+            r.num_tokens - r.num_computed_tokens
+            for r in s.running
+            if r.num_computed_tokens < r.num_prompt_tokens
         )
         return EngineStats(
             num_requests_running=len(s.running),

@@ -166,7 +166,9 @@ class KVCacheManager:
     """Maps requests to pages. ``allocate_slots`` returns the new pages or None when the pool
     cannot hold the request's next tokens; it never preempts (that is the scheduler's call)."""
 
-    def __init__(self, num_pages: int, block_size: int, events: EventLog, enable_prefix_caching=True):
+    def __init__(
+        self, num_pages: int, block_size: int, events: EventLog, enable_prefix_caching=True
+    ):
         self.block_size = block_size
         self.pool = PagePool(num_pages, events)
         self.enable_prefix_caching = enable_prefix_caching

@@ -7,7 +7,6 @@ import asyncio
 import shutil
 
 import pytest
-
 from kvmesh.worker import LLM, AsyncEngine, SamplingParams
 
 BAD_PARAMS = [

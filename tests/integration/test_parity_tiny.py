@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import hf_greedy
-
 from kvmesh.worker import LLM, SamplingParams
 
 COMMON = dict(

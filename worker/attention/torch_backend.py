@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
 from kvmesh.worker.attention.base import AttentionBackend, AttentionMetadata
 
 
@@ -65,8 +64,12 @@ class TorchAttentionBackend(AttentionBackend):
             vv = flat_v[self._decode_idx.view(-1)].view(B, L, Hkv, D).transpose(1, 2)
             qq = q[:nd].unsqueeze(2)  # (B, Hq, 1, D)
             o = F.scaled_dot_product_attention(
-                qq, kk.to(q.dtype), vv.to(q.dtype), attn_mask=self._decode_mask,
-                scale=scale, enable_gqa=gqa,
+                qq,
+                kk.to(q.dtype),
+                vv.to(q.dtype),
+                attn_mask=self._decode_mask,
+                scale=scale,
+                enable_gqa=gqa,
             )  # (B, Hq, 1, D)
             out[:nd] = o.squeeze(2)
         for start, q_len, idx, mask in self._prefill:

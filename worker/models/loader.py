@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
 from kvmesh.worker import envs
 from kvmesh.worker.models.config import ModelConfig
 
@@ -101,7 +100,9 @@ def model_fingerprint(src: ModelSource) -> str:
     """
     files = _fingerprint_files(src)
     stat_key = json.dumps([[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files])
-    cache = envs.cache_dir() / "fingerprints" / (hashlib.sha256(stat_key.encode()).hexdigest() + ".txt")
+    cache = (
+        envs.cache_dir() / "fingerprints" / (hashlib.sha256(stat_key.encode()).hexdigest() + ".txt")
+    )
     try:
         return cache.read_text().strip()
     except OSError:
@@ -154,7 +155,9 @@ _GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral"}
 def gguf_config(reader, path: Path) -> ModelConfig:
     arch = _gguf_field(reader, "general.architecture")
     if arch not in _GGUF_ARCH:
-        raise ValueError(f"GGUF {path}: unsupported architecture {arch!r}; kvmesh runs {list(_GGUF_ARCH)}")
+        raise ValueError(
+            f"GGUF {path}: unsupported architecture {arch!r}; kvmesh runs {list(_GGUF_ARCH)}"
+        )
     names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in names:
         raise ValueError(f"GGUF {path}: rope_freqs (llama3 rope scaling) is not supported yet")
@@ -167,7 +170,9 @@ def gguf_config(reader, path: Path) -> ModelConfig:
 
     heads = int(need("attention.head_count"))
     hidden = int(need("embedding_length"))
-    vocab = _gguf_field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    vocab = _gguf_field(reader, f"{arch}.vocab_size") or len(
+        reader.fields["tokenizer.ggml.tokens"].data
+    )
     eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
     scaling = None
     if _gguf_field(reader, f"{arch}.rope.scaling.type") == "linear":
@@ -223,11 +228,7 @@ def _gguf_to_hf_name(name: str) -> str:
 def _unpermute_rotary(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undo llama.cpp's converter, which interleaves the two rotary halves of each q/k head."""
     rows = w.shape[0]
-    return (
-        w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:])
-        .transpose(1, 2)
-        .reshape(w.shape)
-    )
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 def iter_gguf_tensors(reader, cfg: ModelConfig, path: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -298,7 +299,9 @@ def load_weights(model: torch.nn.Module, src: ModelSource, dtype: torch.dtype) -
     seen: set[str] = set()
     unexpected: list[str] = []
     for name, w in tensors:
-        if name.endswith(_IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
+        if name.endswith(_IGNORED_SUFFIXES) or (
+            cfg.tie_word_embeddings and name == "lm_head.weight"
+        ):
             continue
         p = params.get(name)
         if p is None:
