@@ -31,7 +31,10 @@ def page_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
     h = hashlib.blake2b(digest_size=PAGE_HASH_BYTES, person=b"kvmesh-page")
     h.update(_ROOT_DOMAIN)
     h.update(parent)
-    h.update(struct.pack(f"<{len(tokens)}I", *tokens))
+    try:
+        h.update(struct.pack(f"<{len(tokens)}I", *tokens))
+    except struct.error as e:
+        raise ValueError(f"token ids must be integers in [0, 2**32): {e}") from None
     return h.digest()
 
 
@@ -51,6 +54,8 @@ def hash_pages(
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     h = parent if parent is not None else root_hash(model_fp)
+    if start_page < 0:
+        raise ValueError(f"start_page must be >= 0, got {start_page}")
     if parent is None and start_page != 0:
         raise ValueError("parent is required when start_page > 0")
     out: list[bytes] = []

@@ -6,6 +6,7 @@ Derived values are properties, so a config can never disagree with itself.
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +32,7 @@ def parse_size(value: str | int) -> int:
     m = _SIZE_RE.match(str(value))
     if not m:
         raise ValueError(f"invalid size {value!r}: expected e.g. '2GiB', '512MiB' or a byte count")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
+    return int(Decimal(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
 
 
 _DTYPES = {

@@ -152,3 +152,10 @@ def test_out_of_range_token_id_raises_value_error(bad_token):
         page_hash(root_hash(FP), [1, 2, bad_token, 4])
     with pytest.raises(ValueError):
         hash_pages([1, 2, bad_token, 4], 4, FP)
+
+
+def test_negative_start_page_raises_value_error():
+    # a negative start_page would hash an empty "page" and return more hashes than pages
+    parent = root_hash(FP)
+    with pytest.raises(ValueError, match="start_page"):
+        hash_pages(TOKENS[:4], 4, FP, parent=parent, start_page=-1)

@@ -195,7 +195,7 @@ def test_newest_request_preempts_itself_when_it_cannot_grow():
     assert [p.ref_cnt for p in s.kv.pool.pages] == [1, 1, 1, 0]
 
 
-def test_no_admission_in_a_step_that_preempted():
+def test_preempted_request_goes_back_ahead_of_later_arrivals():
     s = make_sched(num_pages=5)
     a = make_req("a", range(10, 17))
     b = make_req("b", range(50, 57))
@@ -209,6 +209,8 @@ def test_no_admission_in_a_step_that_preempted():
     assert out.preempted == [b]
     assert ids(s.waiting) == ["b", "c"]
     assert [r.request_id for r, _ in out.scheduled] == ["a"]
+    s.finish(a, RequestStatus.FINISHED_LENGTH)
+    assert step(s) == [("b", 5), ("c", 1)]  # b resumes first (its first page is a hit)
 
 
 def test_prefix_hits_set_num_cached_tokens_and_metrics():
