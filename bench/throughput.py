@@ -177,8 +177,9 @@ def run_kvmesh(args, text: str) -> tuple[dict, list[list[int]], list[list[int]]]
 
 
 def load_hf(model: str):
-    from kvmesh.worker.models.loader import resolve_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvmesh.worker.models.loader import resolve_model
 
     src = resolve_model(model)
     if src.kind == "gguf":

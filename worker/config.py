@@ -6,8 +6,8 @@ Derived values are properties, so a config can never disagree with itself.
 from __future__ import annotations
 
 import re
-from decimal import Decimal
 from dataclasses import dataclass
+from decimal import Decimal
 
 import torch
 

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
 from kvmesh.kvstore.events import EventLog
 from kvmesh.worker import envs
 from kvmesh.worker.attention import default_backend_name, get_backend

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from kvmesh.worker.attention import AttentionBackend, AttentionMetadata, PrefillSpan
 from kvmesh.worker.kv_cache import KVCacheManager
 from kvmesh.worker.request import Request

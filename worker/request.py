@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+
 from kvmesh.kvstore.hashing import hash_pages, root_hash
 from kvmesh.worker.sampling_params import SamplingParams
 

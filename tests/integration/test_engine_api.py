@@ -7,6 +7,7 @@ import asyncio
 import shutil
 
 import pytest
+
 from kvmesh.worker import LLM, AsyncEngine, SamplingParams
 
 BAD_PARAMS = [

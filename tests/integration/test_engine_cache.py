@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from conftest import text_prompts
+
 from kvmesh.worker import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

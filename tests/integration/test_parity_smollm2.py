@@ -1,6 +1,7 @@
 """Greedy outputs equal transformers', token for token, in fp32, on the real SmolLM2 weights."""
 
 from conftest import hf_greedy, text_prompts
+
 from kvmesh.worker import SamplingParams
 
 LENGTHS = [20, 37, 64, 100, 150, 255, 400, 600]

@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import torch
+
 from kvmesh.worker.config import CacheConfig, SchedulerConfig, parse_size, resolve_dtype
 
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+
 from kvmesh.kvstore.hashing import PAGE_HASH_BYTES, hash_pages, page_hash, root_hash
 
 FP = "test-fp"

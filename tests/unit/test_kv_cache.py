@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kvmesh.kvstore.events import BlockRemoved, BlockStored, EventLog
 from kvmesh.kvstore.hashing import hash_pages
 from kvmesh.worker.kv_cache import FreePageQueue, KVCacheManager, Page, PagePool

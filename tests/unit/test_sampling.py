@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from kvmesh.worker.request import Request
 from kvmesh.worker.sampler import sample
 from kvmesh.worker.sampling_params import SamplingParams

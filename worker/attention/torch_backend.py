@@ -1,14 +1,20 @@
 """Attention over the paged cache in plain torch: the CPU backend and the reference.
 
-Keys are gathered per step through slot indices shared by all layers, then handed to torch's
-scaled_dot_product_attention with an explicit mask. Padding slots point at the null page
-(page 0), which holds zeros, so masked-out positions never read uninitialised memory.
+Pages are gathered whole (``index_select`` over the page axis copies contiguous
+block_size x Hkv x D runs, far cheaper than a per-token gather). Padding entries of a block
+table point at the null page (page 0), which holds zeros, so masked positions never read
+uninitialised memory.
+
+Decode (one query token per request) folds each KV head's group of query heads into the
+query-length axis: q (B, Hkv, G, D) against k (B, Hkv, L, D). Every K/V tile is read once
+per group and no repeat of K/V is materialised.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from kvmesh.worker.attention.base import AttentionBackend, AttentionMetadata
 
 
@@ -22,13 +28,9 @@ class TorchAttentionBackend(AttentionBackend):
     def prepare(self, meta: AttentionMetadata) -> None:
         self._meta = meta
         bs = meta.block_size
-        offs = None
-        self._decode_idx = self._decode_mask = None
+        self._decode_mask = None
         if meta.num_decode:
-            tables = meta.decode_block_tables  # (B, P)
-            B, P = tables.shape
-            offs = torch.arange(bs, dtype=torch.int64)
-            self._decode_idx = (tables[:, :, None] * bs + offs).reshape(B, P * bs)  # (B, L)
+            B, P = meta.decode_block_tables.shape
             pos = torch.arange(P * bs, dtype=torch.int64)
             ctx = meta.decode_context_lens[:, None]
             mask = pos[None, :] < ctx  # (B, L)
@@ -37,47 +39,54 @@ class TorchAttentionBackend(AttentionBackend):
             self._decode_mask = mask[:, None, None, :]  # (B, 1, 1, L)
         self._prefill = []
         for span in meta.prefills:
-            offs = torch.arange(bs, dtype=torch.int64)
-            idx = (span.block_table[:, None] * bs + offs).reshape(-1)[: span.context_len]
-            kpos = torch.arange(span.context_len)
-            qpos = torch.arange(span.context_len - span.q_len, span.context_len)
-            mask = kpos[None, :] <= qpos[:, None]  # (q_len, ctx)
-            if self.sliding_window is not None:
-                mask &= kpos[None, :] > qpos[:, None] - self.sliding_window
-            self._prefill.append((span.start, span.q_len, idx, mask))
+            fresh = span.context_len == span.q_len  # nothing cached: causal over new tokens
+            mask = None
+            if not fresh or self.sliding_window is not None:
+                kpos = torch.arange(span.context_len)
+                qpos = torch.arange(span.context_len - span.q_len, span.context_len)
+                mask = kpos[None, :] <= qpos[:, None]  # (q_len, ctx)
+                if self.sliding_window is not None:
+                    mask &= kpos[None, :] > qpos[:, None] - self.sliding_window
+            self._prefill.append((span, fresh, mask))
 
     def forward(self, q, k, v, k_cache, v_cache, scale):
         meta = self._meta
         assert meta is not None, "prepare() must be called before forward()"
         T, Hq, D = q.shape
         Hkv = k.shape[1]
-        flat_k = k_cache.view(-1, Hkv, D)
-        flat_v = v_cache.view(-1, Hkv, D)
-        flat_k.index_copy_(0, meta.slot_mapping, k.to(flat_k.dtype))
-        flat_v.index_copy_(0, meta.slot_mapping, v.to(flat_v.dtype))
+        G = Hq // Hkv
+        bs = meta.block_size
+        k_cache.view(-1, Hkv, D).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, Hkv, D).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         out = torch.empty_like(q)
-        gqa = Hq != Hkv
         nd = meta.num_decode
         if nd:
-            B, L = self._decode_idx.shape
-            kk = flat_k[self._decode_idx.view(-1)].view(B, L, Hkv, D).transpose(1, 2)
-            vv = flat_v[self._decode_idx.view(-1)].view(B, L, Hkv, D).transpose(1, 2)
-            qq = q[:nd].unsqueeze(2)  # (B, Hq, 1, D)
+            tables = meta.decode_block_tables  # (B, P)
+            B, P = tables.shape
+            flat = tables.reshape(-1)
+            kk = k_cache.index_select(0, flat).view(B, P * bs, Hkv, D).transpose(1, 2)
+            vv = v_cache.index_select(0, flat).view(B, P * bs, Hkv, D).transpose(1, 2)
+            qq = q[:nd].view(B, Hkv, G, D)  # a KV head's query group as the query axis
             o = F.scaled_dot_product_attention(
-                qq,
-                kk.to(q.dtype),
-                vv.to(q.dtype),
-                attn_mask=self._decode_mask,
-                scale=scale,
-                enable_gqa=gqa,
-            )  # (B, Hq, 1, D)
-            out[:nd] = o.squeeze(2)
-        for start, q_len, idx, mask in self._prefill:
-            kk = flat_k[idx].transpose(0, 1).unsqueeze(0)  # (1, Hkv, ctx, D)
-            vv = flat_v[idx].transpose(0, 1).unsqueeze(0)
-            qq = q[start : start + q_len].transpose(0, 1).unsqueeze(0)  # (1, Hq, q_len, D)
+                qq, kk.to(q.dtype), vv.to(q.dtype), attn_mask=self._decode_mask, scale=scale
+            )  # (B, Hkv, G, D)
+            out[:nd] = o.reshape(B, Hq, D)
+        for span, fresh, mask in self._prefill:
+            s, n = span.start, span.q_len
+            qq = q[s : s + n].transpose(0, 1).unsqueeze(0)  # (1, Hq, n, D)
+            if fresh:  # keys are exactly this chunk's: no gather
+                # round-trip through the cache dtype so a later cache hit sees the same keys
+                kk = k[s : s + n].to(k_cache.dtype).to(q.dtype).transpose(0, 1).unsqueeze(0)
+                vv = v[s : s + n].to(v_cache.dtype).to(q.dtype).transpose(0, 1).unsqueeze(0)
+            else:
+                ctx = span.context_len
+                kk = k_cache.index_select(0, span.block_table).view(-1, Hkv, D)[:ctx]
+                vv = v_cache.index_select(0, span.block_table).view(-1, Hkv, D)[:ctx]
+                kk = kk.transpose(0, 1).unsqueeze(0).to(q.dtype)  # (1, Hkv, ctx, D)
+                vv = vv.transpose(0, 1).unsqueeze(0).to(q.dtype)
             o = F.scaled_dot_product_attention(
-                qq, kk.to(q.dtype), vv.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=gqa
-            )
-            out[start : start + q_len] = o[0].transpose(0, 1)
+                qq, kk, vv, attn_mask=mask, is_causal=mask is None, scale=scale,
+                enable_gqa=G > 1,
+            )  # fmt: skip
+            out[s : s + n] = o[0].transpose(0, 1)
         return out

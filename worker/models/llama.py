@@ -11,9 +11,10 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from kvmesh.worker.attention import AttentionBackend
 from kvmesh.worker.models.config import ModelConfig
-from torch import nn
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
 from kvmesh.worker import envs
 from kvmesh.worker.models.config import ModelConfig
 
