@@ -113,8 +113,9 @@ class LLMEngine:
                 f"{self.bytes_per_token * bs} bytes; at least 2 are needed"
             )
         shape = (cfg.num_layers, 2, n_pages, bs, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_cache = torch.empty(shape, dtype=kv_dtype, device=self.device)
-        self.kv_cache[:, :, 0].zero_()  # the null page: padding reads zeros, never garbage
+        # zeros, not empty: attention reads whole pages and masks the unused slots, and a
+        # masked NaN from uninitialised memory would still poison softmax(..) @ V
+        self.kv_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
 
         capacity = (n_pages - 1) * bs
         limit = max_model_len or cfg.max_position_embeddings

@@ -32,3 +32,42 @@ def test_chat_prompt_text_matches_transformers(smol_llm, hf_smol):
     assert out.token_ids == expected
     assert "Paris" in out.text
     assert out.finish_reason == "stop" if eos in ref else "length"
+
+
+def test_hugging_face_folder_loads_same_model_as_gguf(tmp_path, smol_llm, hf_smol):
+    """The same weights saved as a HF folder (safetensors + tokenizer files) load through the
+    safetensors path and give the GGUF path's tokens; the folder's own tokenizer is used."""
+    import json
+
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "smollm2-hf"
+    folder.mkdir()
+    cfg = hf_smol.config.to_dict()
+    cfg.pop("quantization_config", None)  # transformers refuses to re-save a GGUF-loaded model
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    sd = {k: v.contiguous() for k, v in hf_smol.state_dict().items() if k != "lm_head.weight"}
+    save_file(sd, str(folder / "model.safetensors"))  # lm_head is tied to the embeddings
+    smol_llm.tokenizer.hf.save_pretrained(folder)
+    from kvmesh.worker import LLM
+
+    llm = LLM(str(folder), kv_cache_memory="64MiB")
+    assert llm.engine.src.kind == "hf" and llm.tokenizer is not None
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompt = "Good morning! Let me tell you about the weather"
+    assert llm.generate(prompt, params)[0].token_ids == smol_llm.generate(prompt, params)[0].token_ids
+
+
+def test_half_precision_models_and_caches_run(smol_llm):
+    """bf16/fp16 weights, and an fp16 KV cache under fp32 weights, generate sensibly: the
+    greedy answer to an easy question stays the fp32 one."""
+    from kvmesh.worker import LLM
+
+    tok = smol_llm.tokenizer
+    text = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    params = SamplingParams(temperature=0, max_tokens=8)
+    for kwargs in (dict(dtype="bfloat16"), dict(dtype="float16"), dict(kv_cache_dtype="fp16")):
+        llm = LLM("smollm2-135m-instruct", kv_cache_memory="32MiB", **kwargs)
+        out = llm.generate(text, params)[0]
+        assert "Paris" in out.text, (kwargs, out.text)
