@@ -99,6 +99,7 @@ class LLMEngine:
         if cfg.tie_word_embeddings:
             model_mod.lm_head.weight = model_mod.model.embed_tokens.weight
         load_weights(model_mod, self.src, self.dtype)
+        model_mod.fuse_projections()
         self.model = model_mod.eval()
 
         # page pool sized from the byte budget

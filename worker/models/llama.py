@@ -80,12 +80,27 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, self.nkv * self.hd, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.nh * self.hd, h, bias=cfg.o_bias)
         self.scale = self.hd**-0.5
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def fuse(self) -> None:
+        """Concatenate q/k/v into one weight after loading: one larger GEMM instead of three
+        small ones (small-M GEMMs run far below peak on CPU)."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        w = torch.cat([p.weight.data for p in projs])
+        b = torch.cat([p.bias.data for p in projs]) if self.q_proj.bias is not None else None
+        self.qkv = (w, b)
+        del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x, cos, sin, k_cache, v_cache, backend: AttentionBackend):
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.nh, self.hd)  # (T, nh, hd)
-        k = self.k_proj(x).view(T, self.nkv, self.hd)  # (T, nkv, hd)
-        v = self.v_proj(x).view(T, self.nkv, self.hd)
+        if self.qkv is not None:
+            qkv = F.linear(x, *self.qkv)  # (T, (nh + 2 nkv) hd)
+            q, k, v = qkv.split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], -1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(T, self.nh, self.hd)  # (T, nh, hd)
+        k = k.reshape(T, self.nkv, self.hd)  # (T, nkv, hd)
+        v = v.reshape(T, self.nkv, self.hd)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         o = backend.forward(q, k, v, k_cache, v_cache, self.scale)  # (T, nh, hd)
         return self.o_proj(o.reshape(T, self.nh * self.hd))
@@ -98,9 +113,23 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias)
+        self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def fuse(self) -> None:
+        """Concatenate gate and up into one weight after loading (see Attention.fuse)."""
+        w = torch.cat([self.gate_proj.weight.data, self.up_proj.weight.data])
+        b = None
+        if self.gate_proj.bias is not None:
+            b = torch.cat([self.gate_proj.bias.data, self.up_proj.bias.data])
+        self.gate_up = (w, b)
+        del self.gate_proj, self.up_proj
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is not None:
+            gate, up = F.linear(x, *self.gate_up).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -135,6 +164,12 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def fuse_projections(self) -> None:
+        """Fuse q/k/v and gate/up weights for inference. Call after loading the weights."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def forward(
         self,
