@@ -13,8 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvmesh.kernels.cpu_linear import PackedLinear
 from kvmesh.worker.attention import AttentionBackend
 from kvmesh.worker.models.config import ModelConfig
+
+
+def _bias(lin: nn.Linear) -> torch.Tensor | None:
+    return lin.bias.data if lin.bias is not None else None
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -80,7 +85,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, self.nkv * self.hd, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.nh * self.hd, h, bias=cfg.o_bias)
         self.scale = self.hd**-0.5
-        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.qkv: PackedLinear | None = None
+        self.o: PackedLinear | None = None
 
     def fuse(self) -> None:
         """Concatenate q/k/v into one weight after loading: one larger GEMM instead of three
@@ -88,13 +94,14 @@ class Attention(nn.Module):
         projs = (self.q_proj, self.k_proj, self.v_proj)
         w = torch.cat([p.weight.data for p in projs])
         b = torch.cat([p.bias.data for p in projs]) if self.q_proj.bias is not None else None
-        self.qkv = (w, b)
+        self.qkv = PackedLinear(w, b)
+        self.o = PackedLinear(self.o_proj.weight.data, _bias(self.o_proj))
         del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x, cos, sin, k_cache, v_cache, backend: AttentionBackend):
         T = x.shape[0]
         if self.qkv is not None:
-            qkv = F.linear(x, *self.qkv)  # (T, (nh + 2 nkv) hd)
+            qkv = self.qkv(x)  # (T, (nh + 2 nkv) hd)
             q, k, v = qkv.split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], -1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -103,7 +110,8 @@ class Attention(nn.Module):
         v = v.reshape(T, self.nkv, self.hd)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         o = backend.forward(q, k, v, k_cache, v_cache, self.scale)  # (T, nh, hd)
-        return self.o_proj(o.reshape(T, self.nh * self.hd))
+        o = o.reshape(T, self.nh * self.hd)
+        return self.o(o) if self.o is not None else self.o_proj(o)
 
 
 class MLP(nn.Module):
@@ -113,7 +121,8 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias)
-        self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.gate_up: PackedLinear | None = None
+        self.down: PackedLinear | None = None
 
     def fuse(self) -> None:
         """Concatenate gate and up into one weight after loading (see Attention.fuse)."""
@@ -121,15 +130,15 @@ class MLP(nn.Module):
         b = None
         if self.gate_proj.bias is not None:
             b = torch.cat([self.gate_proj.bias.data, self.up_proj.bias.data])
-        self.gate_up = (w, b)
+        self.gate_up = PackedLinear(w, b)
+        self.down = PackedLinear(self.down_proj.weight.data, _bias(self.down_proj))
         del self.gate_proj, self.up_proj
 
     def forward(self, x):
-        if self.gate_up is not None:
-            gate, up = F.linear(x, *self.gate_up).chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        if self.gate_up is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -164,12 +173,14 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.head: PackedLinear | None = None
 
     def fuse_projections(self) -> None:
         """Fuse q/k/v and gate/up weights for inference. Call after loading the weights."""
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+        self.head = PackedLinear(self.lm_head.weight.data)
 
     def forward(
         self,
@@ -185,4 +196,5 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(m.layers):
             x = layer(x, cos, sin, kv_cache[i, 0], kv_cache[i, 1], backend)
         x = m.norm(x[logit_indices])  # (S, hidden)
-        return self.lm_head(x).float()  # (S, vocab)
+        logits = self.head(x) if self.head is not None else self.lm_head(x)
+        return logits.float()  # (S, vocab)
