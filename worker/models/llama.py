@@ -50,16 +50,18 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos (T, 1, D) and a signed sin (T, 1, D): [-sin, sin] over the two halves."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (T, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (T, D)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        sin = emb.sin()
+        sin[:, : freqs.shape[1]].neg_()
+        return emb.cos().to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (T, H, D); cos/sin: (T, D). Half-split (rotate_half) layout, as Hugging Face."""
-    half = x.shape[-1] // 2
-    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rot * sin[:, None, :]
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: (T, H, D). Half-split (rotate_half) layout, as Hugging Face: x*cos +
+    [-x2, x1]*sin, written as x*cos + roll(x)*[-sin, sin] (the same values, bit for bit)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class RMSNorm(nn.Module):
@@ -100,15 +102,14 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, k_cache, v_cache, backend: AttentionBackend):
         T = x.shape[0]
-        if self.qkv is not None:
-            qkv = self.qkv(x)  # (T, (nh + 2 nkv) hd)
-            q, k, v = qkv.split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], -1)
+        if self.qkv is None:
+            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.reshape(T, self.nh, self.hd)  # (T, nh, hd)
-        k = k.reshape(T, self.nkv, self.hd)  # (T, nkv, hd)
-        v = v.reshape(T, self.nkv, self.hd)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            qkv = self.qkv(x)  # (T, (nh + 2 nkv) hd)
+        n_qk = (self.nh + self.nkv) * self.hd
+        qk = apply_rotary(qkv[:, :n_qk].view(T, self.nh + self.nkv, self.hd), cos, sin)
+        q, k = qk[:, : self.nh], qk[:, self.nh :]  # (T, nh, hd), (T, nkv, hd)
+        v = qkv[:, n_qk:].view(T, self.nkv, self.hd)  # (T, nkv, hd)
         o = backend.forward(q, k, v, k_cache, v_cache, self.scale)  # (T, nh, hd)
         o = o.reshape(T, self.nh * self.hd)
         return self.o(o) if self.o is not None else self.o_proj(o)
