@@ -56,7 +56,8 @@ def test_hugging_face_folder_loads_same_model_as_gguf(tmp_path, smol_llm, hf_smo
     assert llm.engine.src.kind == "hf" and llm.tokenizer is not None
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompt = "Good morning! Let me tell you about the weather"
-    assert llm.generate(prompt, params)[0].token_ids == smol_llm.generate(prompt, params)[0].token_ids
+    expected = smol_llm.generate(prompt, params)[0].token_ids
+    assert llm.generate(prompt, params)[0].token_ids == expected
 
 
 def test_half_precision_models_and_caches_run(smol_llm):
