@@ -1,0 +1,363 @@
+"""PrefixIndex: which worker holds which pages, in which tier, fed by the workers' block events.
+
+The router hashes a prompt into page hashes (``kvstore.hashing.hash_pages``, the same function
+the workers use) and asks ``match`` how many pages, counted from the start of the prompt, each
+worker could reuse, split by the tier each page would come from. See docs/router.md for the
+rules (tiers, sequence numbers and resync, optimistic entries).
+
+Layout, chosen so ``match`` costs one or two set lookups per matched page per worker:
+- per worker: one set of page hashes per own tier (device, host, peer), plus the optimistic
+  device entries (also in the device set) with their expiry;
+- shared: Redis pages (visible to every worker) with the workers that reported them, and a
+  count of how many live workers hold each page in a peer-fetchable tier. Whether a page is
+  in Redis or at a peer does not depend on the asking worker, so ``match`` looks it up once
+  per page and prompt, not once per worker.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvmesh.kvstore.events import BlockEvent, BlockRemoved, BlockStored
+
+DEVICE = "device"
+HOST = "host"
+REDIS = "redis"
+PEER = "peer"
+TIERS = (DEVICE, HOST, REDIS, PEER)
+
+WorkerId = Hashable
+
+# Tiers of another worker that count as a "peer" hit. DESIGN.md's peer tier is another
+# worker's host RAM over KVTransfer.Fetch; device pages are included by default because a
+# worker holding a page in device can copy it out for a peer just as well. Pass
+# ``peer_tiers={"host"}`` if the worker's Fetch serves only its host tier.
+DEFAULT_PEER_TIERS = frozenset({DEVICE, HOST})
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    """Pages one worker could reuse, consecutive from the start of the prompt, by tier.
+
+    Each page is counted once, in the cheapest tier it is reachable from for this worker:
+    own device, then own host, then Redis, then peer (another worker's device or host, or a
+    page this worker itself reported in tier "peer").
+    """
+
+    device: int = 0
+    host: int = 0
+    redis: int = 0
+    peer: int = 0
+
+    @property
+    def pages(self) -> int:
+        """Total consecutive pages matched, over all tiers."""
+        return self.device + self.host + self.redis + self.peer
+
+
+NO_MATCH = Match()
+
+
+@dataclass
+class _Worker:
+    """One worker's view: its own tiers, its event stream position and its optimistic pages."""
+
+    engine_id: str | None = None
+    last_seq: int = -1
+    resyncing: bool = True
+    device: set[bytes] = field(default_factory=set)
+    host: set[bytes] = field(default_factory=set)
+    peer: set[bytes] = field(default_factory=set)  # pages it reported in tier "peer"
+    redis: set[bytes] = field(default_factory=set)  # pages it reported to Redis
+    # Optimistic device pages (also in ``device``) -> expiry time. Insertion order is expiry
+    # order (constant TTL, monotonic clock), so they expire from the front.
+    optimistic: dict[bytes, float] = field(default_factory=dict)
+
+    def tier_set(self, tier: str) -> set[bytes]:
+        if tier == DEVICE:
+            return self.device
+        if tier == HOST:
+            return self.host
+        if tier == PEER:
+            return self.peer
+        return self.redis
+
+
+@dataclass
+class IndexStats:
+    """Counters that tell a stale index from a bad route (exported as metrics by the service)."""
+
+    events_applied: int = 0
+    events_ignored: int = 0  # arrived while the worker was resyncing
+    gaps: int = 0
+    restarts: int = 0
+    optimistic_inserted: int = 0
+    optimistic_confirmed: int = 0
+    optimistic_expired: int = 0
+
+
+class PrefixIndex:
+    """Per-worker page sets fed by block events; ``match`` scores a prompt against them.
+
+    Not thread-safe: the router applies events and routes from one thread or event loop.
+    """
+
+    def __init__(
+        self,
+        *,
+        optimistic_ttl_s: float = 2.0,
+        peer_tiers: Iterable[str] = DEFAULT_PEER_TIERS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if optimistic_ttl_s < 0:
+            raise ValueError(f"optimistic_ttl_s must be >= 0, got {optimistic_ttl_s}")
+        peer_tiers = frozenset(peer_tiers)
+        if not peer_tiers <= {DEVICE, HOST}:
+            raise ValueError(f"peer_tiers must be a subset of {{device, host}}, got {peer_tiers}")
+        self.optimistic_ttl_s = optimistic_ttl_s
+        self.peer_tiers = peer_tiers
+        self._clock = clock
+        self._workers: dict[WorkerId, _Worker] = {}
+        # page -> workers that reported it stored in Redis. One Redis key serves everyone.
+        self._redis: dict[bytes, set[WorkerId]] = {}
+        # page -> number of (live worker, peer tier) holdings, from real events only: an
+        # optimistic page is not there yet, so no peer could fetch it.
+        self._peer_holders: dict[bytes, int] = {}
+        self.stats = IndexStats()
+
+    # ----------------------------------------------------------------- workers and resync
+
+    def add_worker(self, worker_id: WorkerId) -> None:
+        """Register a worker with no pages; it is resyncing until its stream starts (seq 0)."""
+        self._workers.setdefault(worker_id, _Worker())
+
+    def remove_worker(self, worker_id: WorkerId) -> None:
+        """Forget a worker and every page it reported (its Redis reports included)."""
+        w = self._workers.pop(worker_id, None)
+        if w is not None:
+            self._drop_pages(worker_id, w, keep_optimistic=False)
+
+    def reset(self, worker_id: WorkerId, engine_id: str, next_seq: int = 0) -> None:
+        """Drop the worker's pages and trust its stream from ``engine_id``'s ``next_seq`` on.
+
+        For a caller that knows the worker's cache from elsewhere (a snapshot it replays as
+        events numbered from ``next_seq``). A stream starting at seq 0 does this by itself.
+        """
+        if next_seq < 0:
+            raise ValueError(f"next_seq must be >= 0, got {next_seq}")
+        w = self._workers.setdefault(worker_id, _Worker())
+        self._drop_pages(worker_id, w, keep_optimistic=True)
+        w.engine_id = engine_id
+        w.last_seq = next_seq - 1
+        w.resyncing = False
+
+    def workers(self) -> list[WorkerId]:
+        return list(self._workers)
+
+    def is_resyncing(self, worker_id: WorkerId) -> bool:
+        """True while the index holds no trustworthy view of the worker (or does not know it)."""
+        w = self._workers.get(worker_id)
+        return w is None or w.resyncing
+
+    def num_pages(self, worker_id: WorkerId, tier: str) -> int:
+        """Pages the index holds for a worker in one tier (device includes optimistic)."""
+        if tier not in TIERS:
+            raise ValueError(f"unknown tier {tier!r}; accepted: {', '.join(TIERS)}")
+        w = self._workers.get(worker_id)
+        return 0 if w is None else len(w.tier_set(tier))
+
+    # --------------------------------------------------------------------------- events
+
+    def apply(self, worker_id: WorkerId, event: BlockEvent) -> None:
+        """Apply one block event from ``worker_id``.
+
+        Resync rule: seq 0 (re)starts the worker's stream: its pages are dropped and events
+        are trusted from there on, because a fresh engine numbers its first event 0. Any other
+        break (a gap, a seq that goes back, a new engine_id without seq 0) drops the worker's
+        pages and ignores its events until the next seq 0 or ``reset``. Optimistic entries
+        survive a gap and the worker's first start, not a restart.
+        """
+        if event.tier not in TIERS:
+            raise ValueError(f"unknown tier {event.tier!r}; accepted: {', '.join(TIERS)}")
+        w = self._workers.get(worker_id)
+        if w is None:
+            w = self._workers[worker_id] = _Worker()
+        if event.seq == 0:
+            first_start = w.engine_id is None
+            if not first_start and not w.resyncing:  # else counted when the break was seen
+                self.stats.restarts += 1
+            self._drop_pages(worker_id, w, keep_optimistic=first_start)
+            w.engine_id = event.engine_id
+            w.resyncing = False
+        elif w.resyncing:
+            self.stats.events_ignored += 1
+            return
+        elif event.engine_id != w.engine_id or event.seq <= w.last_seq:
+            self.stats.restarts += 1
+            self._drop_pages(worker_id, w, keep_optimistic=False)
+            w.resyncing = True
+            self.stats.events_ignored += 1
+            return
+        elif event.seq != w.last_seq + 1:
+            self.stats.gaps += 1
+            self._drop_pages(worker_id, w, keep_optimistic=True)
+            w.resyncing = True
+            self.stats.events_ignored += 1
+            return
+        w.last_seq = event.seq
+        self.stats.events_applied += 1
+        if isinstance(event, BlockStored):
+            self._stored(worker_id, w, event.block_hash, event.tier)
+        elif isinstance(event, BlockRemoved):
+            self._removed(w, event.block_hash, event.tier)
+        else:
+            raise TypeError(f"expected BlockStored or BlockRemoved, got {type(event).__name__}")
+
+    def apply_batch(self, worker_id: WorkerId, events: Iterable[BlockEvent]) -> None:
+        """Apply a worker's events in order (as delivered in one message)."""
+        for ev in events:
+            self.apply(worker_id, ev)
+
+    def _stored(self, worker_id: WorkerId, w: _Worker, h: bytes, tier: str) -> None:
+        if tier == REDIS:
+            w.redis.add(h)
+            self._redis.setdefault(h, set()).add(worker_id)
+            return
+        s = w.tier_set(tier)
+        if tier == DEVICE and w.optimistic.pop(h, None) is not None:
+            # The guess came true: the page is now real, so peers may fetch it.
+            self.stats.optimistic_confirmed += 1
+        elif h in s:
+            return  # a repeated store changes nothing
+        s.add(h)
+        if tier in self.peer_tiers:
+            self._peer_holders[h] = self._peer_holders.get(h, 0) + 1
+
+    def _removed(self, w: _Worker, h: bytes, tier: str) -> None:
+        if tier == REDIS:
+            # One shared key: whoever saw it go, it is gone for everyone.
+            for wid in self._redis.pop(h, ()):
+                ow = self._workers.get(wid)
+                if ow is not None:
+                    ow.redis.discard(h)
+            return
+        s = w.tier_set(tier)
+        if h not in s:
+            return  # stored before the stream we trust began
+        s.discard(h)
+        if tier == DEVICE and w.optimistic.pop(h, None) is not None:
+            return  # was only a guess: never counted as a peer holding
+        if tier in self.peer_tiers:
+            self._dec_peer(h)
+
+    def _dec_peer(self, h: bytes) -> None:
+        n = self._peer_holders[h] - 1
+        if n:
+            self._peer_holders[h] = n
+        else:
+            del self._peer_holders[h]
+
+    def _drop_pages(self, worker_id: WorkerId, w: _Worker, *, keep_optimistic: bool) -> None:
+        """Forget what the worker's events said; optimistic entries stay when the same engine
+        is still there (a gap, a first start, a reset): the requests routed to it still are.
+        """
+        for tier in self.peer_tiers:
+            for h in w.tier_set(tier):
+                if not (tier == DEVICE and h in w.optimistic):
+                    self._dec_peer(h)
+        for h in w.redis:
+            owners = self._redis.get(h)
+            if owners is not None:
+                owners.discard(worker_id)
+                if not owners:
+                    del self._redis[h]
+        w.host, w.peer, w.redis = set(), set(), set()
+        if keep_optimistic:
+            w.device = set(w.optimistic)
+        else:
+            w.device = set()
+            w.optimistic = {}
+        w.last_seq = -1
+
+    # ----------------------------------------------------------------- optimistic entries
+
+    def insert_optimistic(self, worker_id: WorkerId, page_hashes: Sequence[bytes]) -> None:
+        """Record that ``worker_id`` will soon hold ``page_hashes`` in device.
+
+        Called right after routing a request there, so the next request of a same-prefix
+        burst matches it before the worker's events arrive. A matching BlockStored(device)
+        confirms an entry; an unconfirmed one expires ``optimistic_ttl_s`` after insertion.
+        Pages the worker already holds in device are left as they are. An unknown or
+        resyncing worker gets entries too: the guess is about the request just sent there.
+        """
+        w = self._workers.get(worker_id)
+        if w is None:
+            w = self._workers[worker_id] = _Worker()
+        now = self._clock()
+        self._expire(w, now)
+        expiry = now + self.optimistic_ttl_s
+        dev, opt = w.device, w.optimistic
+        for h in page_hashes:
+            if h in opt:
+                del opt[h]  # re-insert at the back: its expiry moves
+            elif h in dev:
+                continue
+            else:
+                dev.add(h)
+            opt[h] = expiry
+            self.stats.optimistic_inserted += 1
+
+    def _expire(self, w: _Worker, now: float) -> None:
+        opt = w.optimistic
+        while opt:
+            h, expiry = next(iter(opt.items()))
+            if expiry > now:
+                return
+            del opt[h]
+            w.device.discard(h)
+            self.stats.optimistic_expired += 1
+
+    # ------------------------------------------------------------------------------ match
+
+    def match(self, page_hashes: Sequence[bytes]) -> dict[WorkerId, Match]:
+        """Pages each known worker could reuse from the start of the prompt, by tier.
+
+        Cost: per worker, a few set lookups per matched page plus one for the first miss.
+        Resyncing workers are included: their own tiers are empty but Redis and peer pages
+        are still reachable from them. This method does not modify the index, except that it
+        expires optimistic entries that are past their TTL.
+        """
+        now = self._clock()
+        redis, holders = self._redis, self._peer_holders
+        # shared[i]: page i is in Redis (1), at a peer (2), neither (0), not looked up (None).
+        # It does not depend on the worker (its own device and host are checked first, so a
+        # peer holder found here is another worker), so each page is looked up at most once.
+        shared: list[int | None] = [None] * len(page_hashes)
+        out: dict[WorkerId, Match] = {}
+        for wid, w in self._workers.items():
+            if w.optimistic:
+                self._expire(w, now)
+            dev, host, own_peer = w.device, w.host, w.peer
+            n_dev = n_host = n_redis = n_peer = 0
+            for i, h in enumerate(page_hashes):
+                if h in dev:
+                    n_dev += 1
+                elif h in host:
+                    n_host += 1
+                else:
+                    s = shared[i]
+                    if s is None:
+                        s = shared[i] = 1 if h in redis else 2 if h in holders else 0
+                    if s == 1:
+                        n_redis += 1
+                    elif s == 2 or h in own_peer:
+                        n_peer += 1
+                    else:
+                        break
+            if n_dev or n_host or n_redis or n_peer:
+                out[wid] = Match(n_dev, n_host, n_redis, n_peer)
+            else:
+                out[wid] = NO_MATCH
+        return out
