@@ -80,6 +80,8 @@ class LLMEngine:
         self.src = resolve_model(model)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(dtype)
+        # validate every knob before the (slow) model load; max_model_len is settled below
+        SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len or 1, max_waiting)
         self.cache_config = CacheConfig(
             block_size=block_size,
             kv_cache_memory=parse_size(kv_cache_memory),
