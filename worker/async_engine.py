@@ -46,14 +46,14 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs. Leaving the loop early (break, cancel) aborts it."""
         req = self.engine.make_request(prompt, params, request_id)  # raises on bad input
-        if self._stopped:
-            raise EngineDeadError("the engine is shut down")
         q: asyncio.Queue = asyncio.Queue()
-        with self._lock:
+        with self._lock:  # _abort_all takes the same lock: a stream is failed or never added
+            if self._stopped:
+                raise EngineDeadError("the engine is shut down")
             if req.request_id in self._streams:
                 raise ValueError(f"request id {req.request_id!r} is already in use")
             self._streams[req.request_id] = (asyncio.get_running_loop(), q)
-        self._send(("add", req))
+            self._send(("add", req))
         finished = False
         try:
             while True:
@@ -65,19 +65,24 @@ class AsyncEngine:
                     finished = True
                     return
         finally:
-            with self._lock:
-                self._streams.pop(req.request_id, None)
-            if not finished:
-                self._send(("abort", req.request_id))
+            if finished:
+                with self._lock:
+                    self._streams.pop(req.request_id, None)
+            else:
+                # the id stays reserved until the engine thread has aborted the request, so a
+                # new stream reusing it never receives the old request's outputs
+                self._send(("release", req.request_id))
 
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        self._stopped = True
+        with self._lock:
+            self._stopped = True
         self._send(("stop", None))
         self._thread.join(timeout)
-        self.engine.driver = None
+        if not self._thread.is_alive():  # else the thread may still step the engine
+            self.engine.driver = None
 
     def call(self, fn, timeout: float = 30.0):
         """Run ``fn(engine)`` on the engine thread between steps and return its result."""
@@ -126,6 +131,10 @@ class AsyncEngine:
             out = self.engine.abort_request(arg)
             if out is not None:
                 self._deliver(arg, out)
+        elif kind == "release":  # the caller left its stream: abort quietly, free the id
+            self.engine.abort_request(arg)
+            with self._lock:
+                self._streams.pop(arg, None)
         elif kind == "call":
             arg(self.engine)
         elif kind == "stop":
@@ -151,12 +160,15 @@ class AsyncEngine:
         except BaseException as e:  # a crash: fail every stream rather than hang it
             logger.exception("engine loop crashed")
             self.error = e
-            self._stopped = True
             self._abort_all(EngineDeadError(f"the engine loop crashed: {e!r}"))
 
     def _abort_all(self, err: Exception) -> None:
         with self._lock:
+            self._stopped = True
             rids = list(self._streams)
         for rid in rids:
-            self.engine.abort_request(rid)
+            try:
+                self.engine.abort_request(rid)
+            except Exception:  # a broken engine must not keep the other streams hanging
+                logger.exception("abort of %s failed", rid)
             self._deliver(rid, err)

@@ -203,13 +203,17 @@ class LLMEngine:
             prompt=prompt if isinstance(prompt, str) else None,
         )
         if self.tokenizer is not None:
-            req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids)
+            req.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, ids, params.skip_special_tokens
+            )
         return req
 
-    def add(self, req: Request) -> None:
+    def add(self, req: Request, check_queue: bool = True) -> None:
+        """Queue a validated request. Raises QueueFullError at ``max_waiting`` unless
+        ``check_queue`` is False (offline batches hold their own prompts anyway)."""
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
-        if len(self.scheduler.waiting) >= self.scheduler_config.max_waiting:
+        if check_queue and len(self.scheduler.waiting) >= self.scheduler_config.max_waiting:
             raise QueueFullError(
                 f"the waiting queue is full ({self.scheduler_config.max_waiting} requests)"
             )
@@ -253,37 +257,52 @@ class LLMEngine:
             req.append_token(tok)
             if lp is not None:
                 req.logprobs.append(lp)
-            delta = req.detokenizer.push(tok) if req.detokenizer is not None else ""
-            status, delta = self._check_stop(req, tok, delta)
+            if req.detokenizer is not None:
+                req.detokenizer.push(tok)
+            status = self._check_stop(req, tok)
             if status is not None:
                 self.requests.pop(req.request_id, None)
                 self.scheduler.finish(req, status)
-            outputs.append(self._output(req, [tok], delta))
+            outputs.append(self._output(req, [tok], self._emit_text(req)))
         return outputs
 
-    def _check_stop(self, req: Request, tok: int, delta: str) -> tuple[RequestStatus | None, str]:
+    def _emit_text(self, req: Request) -> str:
+        """The text to stream now. While a request with stop strings runs, the last
+        ``max(len(stop)) - 1`` characters are held back: they may turn out to start a stop
+        string, and streamed text is never taken back."""
+        det = req.detokenizer
+        if det is None:
+            return ""
+        if req.status.finished:
+            final = req.text if isinstance(req.stop_reason, str) else det.text
+        else:
+            hold = max(map(len, req.params.stop)) - 1 if req.params.stop else 0
+            final = det.text[: max(len(req.text), len(det.text) - hold)]
+        delta = final[len(req.text) :]
+        req.text = final
+        return delta
+
+    def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
         p = req.params
         if p.stop and req.detokenizer is not None:
             text = req.detokenizer.text
-            # only the tail can hold a new match: the delta plus a stop string's length
-            tail_from = max(0, len(text) - len(delta) - max(map(len, p.stop)) + 1)
-            for s in p.stop:
-                at = text.find(s, tail_from)
-                if at >= 0:
-                    cut = at + len(s) if p.include_stop_str_in_output else at
-                    delta = delta[: max(0, len(delta) - (len(text) - cut))]
-                    req.text = text[:cut]
-                    req.stop_reason = s
-                    return RequestStatus.FINISHED_STOPPED, delta
+            # a new match can only start in the held-back tail or in this token's text
+            tail_from = max(0, len(req.text) - max(map(len, p.stop)) + 1)
+            hits = [(at, s) for s in p.stop if (at := text.find(s, tail_from)) >= 0]
+            if hits:
+                at, s = min(hits)  # the earliest match wins
+                req.text = text[: at + len(s) if p.include_stop_str_in_output else at]
+                req.stop_reason = s
+                return RequestStatus.FINISHED_STOPPED
         if tok in p.stop_token_ids:
             req.stop_reason = tok
-            return RequestStatus.FINISHED_STOPPED, delta
+            return RequestStatus.FINISHED_STOPPED
         if not p.ignore_eos and tok in self._eos_ids():
             req.stop_reason = tok
-            return RequestStatus.FINISHED_STOPPED, delta
+            return RequestStatus.FINISHED_STOPPED
         if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH, delta
-        return None, delta
+            return RequestStatus.FINISHED_LENGTH
+        return None
 
     def _eos_ids(self) -> set[int]:
         ids = set(self.model_config.eos_token_ids)
@@ -293,14 +312,7 @@ class LLMEngine:
 
     def _output(self, req: Request, new_ids: list[int], delta: str) -> RequestOutput:
         finished = req.status.finished
-        text = ""
-        if req.detokenizer is not None:
-            if finished and isinstance(req.stop_reason, str):
-                text = req.text  # cut at the stop string
-            elif finished:
-                text = self.tokenizer.decode(req.output_token_ids, req.params.skip_special_tokens)
-            else:
-                text = req.detokenizer.text
+        text = req.text  # everything streamed so far; the final text once finished
         cached = max(req.num_cached_tokens, 0)
         return RequestOutput(
             request_id=req.request_id,
@@ -388,7 +400,7 @@ class LLM:
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         for r in reqs:
-            self.engine.add(r)
+            self.engine.add(r, check_queue=False)
         final: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():

@@ -52,9 +52,8 @@ class ModelRunner:
                 decode_lens.append(c + 1)
             else:
                 n_pages = -(-(c + n) // bs)
-                prefills.append(
-                    PrefillSpan(start, n, c + n, torch.tensor(table[:n_pages], dtype=torch.int64))
-                )
+                pages = torch.tensor(table[:n_pages], dtype=torch.int64, device=self.device)
+                prefills.append(PrefillSpan(start, n, c + n, pages))
             if c + n == req.num_tokens:
                 logit_idx.append(len(ids) - 1)
                 sampled.append(req)

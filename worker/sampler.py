@@ -37,6 +37,8 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], li
         else:
             row = _filter_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
             probs = row.softmax(-1)
+            if req.generator is not None:  # seeded generators live on the CPU
+                probs = probs.cpu()
             tok = int(torch.multinomial(probs, 1, generator=req.generator).item())
         tokens.append(tok)
         logprobs.append(float(raw_lp[i, tok]) if p.logprobs else None)

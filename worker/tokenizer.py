@@ -68,8 +68,11 @@ class IncrementalDetokenizer:
     ends in an incomplete UTF-8 sequence (U+FFFD) until the next token completes it.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int]):
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool = True
+    ):
         self.tok = tokenizer
+        self.skip = skip_special_tokens
         self.ids: list[int] = list(prompt_ids[-6:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -77,8 +80,8 @@ class IncrementalDetokenizer:
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        prefix = self.tok.decode(self.ids[self.prefix_offset : self.read_offset])
-        full = self.tok.decode(self.ids[self.prefix_offset :])
+        prefix = self.tok.decode(self.ids[self.prefix_offset : self.read_offset], self.skip)
+        full = self.tok.decode(self.ids[self.prefix_offset :], self.skip)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             delta = full[len(prefix) :]
             self.prefix_offset = self.read_offset

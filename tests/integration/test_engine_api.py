@@ -163,3 +163,64 @@ def test_truncated_safetensors_is_a_clear_error(tmp_path):
     model.save_pretrained(folder, state_dict=sd)
     with pytest.raises(ValueError, match="model.norm.weight"):
         LLM(str(folder), num_pages=8)
+
+
+def test_streamed_text_never_includes_a_stop_string_split_across_tokens(smol_llm):
+    """A stop string that spans a token boundary: what was streamed equals the final text."""
+    engine = smol_llm.engine
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=["\nT"])
+    full = smol_llm.generate(
+        "The capital of France is", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    )[0]
+    assert "\nT" in full.text  # the greedy continuation really contains the stop string
+    rid = engine.add_request("The capital of France is", params)
+    streamed, final = [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == rid:
+                streamed.append(out.new_text)
+                final = out
+    assert final.finish_reason == "stop" and final.stop_reason == "\nT"
+    assert "".join(streamed) == final.text == full.text[: full.text.index("\nT")]
+
+
+def test_special_tokens_streamed_when_asked(smol_llm):
+    tok = smol_llm.tokenizer
+    text = tok.apply_chat_template([{"role": "user", "content": "Say hi."}])
+    params = SamplingParams(
+        temperature=0, max_tokens=40, ignore_eos=True, skip_special_tokens=False
+    )
+    engine = smol_llm.engine
+    engine.add_request(text, params)
+    streamed, final = [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            streamed.append(out.new_text)
+            final = out
+    assert "<|im_end|>" in final.text and "".join(streamed) == final.text
+
+
+def test_reusing_a_request_id_after_leaving_a_stream(async_engine):
+    async def main():
+        long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+        async for _ in async_engine.generate("Tell me a long story.", long, "same-id"):
+            break
+        # the id may be refused while the old request is being aborted, never mixed up
+        for _ in range(50):
+            try:
+                short = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+                return [o async for o in async_engine.generate("Hi there", short, "same-id")]
+            except ValueError:
+                await asyncio.sleep(0.05)
+        raise AssertionError("the request id was never released")
+
+    outs = asyncio.run(main())
+    assert outs[-1].finish_reason == "length" and len(outs[-1].token_ids) == 5
+    assert all(o.prompt == "Hi there" for o in outs)
+
+
+def test_offline_batches_are_not_limited_by_the_waiting_queue():
+    llm = LLM("smollm2-135m-instruct", kv_cache_memory="32MiB", max_waiting=2)
+    outs = llm.generate(["a b", "c d", "e f"], SamplingParams(temperature=0, max_tokens=2))
+    assert [len(o.token_ids) for o in outs] == [2, 2, 2]
+    assert not llm.engine.requests

@@ -28,10 +28,11 @@ class TorchAttentionBackend(AttentionBackend):
     def prepare(self, meta: AttentionMetadata) -> None:
         self._meta = meta
         bs = meta.block_size
+        dev = meta.slot_mapping.device
         self._decode_mask = None
         if meta.num_decode:
             B, P = meta.decode_block_tables.shape
-            pos = torch.arange(P * bs, dtype=torch.int64)
+            pos = torch.arange(P * bs, dtype=torch.int64, device=dev)
             ctx = meta.decode_context_lens[:, None]
             mask = pos[None, :] < ctx  # (B, L)
             if self.sliding_window is not None:
@@ -42,8 +43,8 @@ class TorchAttentionBackend(AttentionBackend):
             fresh = span.context_len == span.q_len  # nothing cached: causal over new tokens
             mask = None
             if not fresh or self.sliding_window is not None:
-                kpos = torch.arange(span.context_len)
-                qpos = torch.arange(span.context_len - span.q_len, span.context_len)
+                kpos = torch.arange(span.context_len, device=dev)
+                qpos = torch.arange(span.context_len - span.q_len, span.context_len, device=dev)
                 mask = kpos[None, :] <= qpos[:, None]  # (q_len, ctx)
                 if self.sliding_window is not None:
                     mask &= kpos[None, :] > qpos[:, None] - self.sliding_window
