@@ -21,6 +21,7 @@ import torch
 
 from kvmesh.worker import envs
 from kvmesh.worker.models.config import ModelConfig
+from kvmesh.worker.models.gguf_file import GGUFFile
 
 logger = logging.getLogger(__name__)
 
@@ -132,22 +133,13 @@ def _gguf_reader(path: Path):
 
 
 @functools.lru_cache(maxsize=4)
-def _open_gguf(path: str, size: int, mtime_ns: int):
-    # Parsing the metadata (tens of thousands of vocabulary strings) takes seconds, so one
-    # reader per file version is kept; it memory-maps the file rather than reading it.
-    import gguf
-
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as e:  # the reader raises ValueError/IndexError/... on a damaged file
-        raise ValueError(f"cannot read GGUF file {path}: {type(e).__name__}: {e}") from e
+def _open_gguf(path: str, size: int, mtime_ns: int) -> GGUFFile:
+    # one parsed header per file version; the tensor data is memory-mapped, not read
+    return GGUFFile(path)
 
 
-def _gguf_field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
+def _gguf_field(reader: GGUFFile, key: str, default=None):
+    return reader.get(key, default)
 
 
 _GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral"}
@@ -171,8 +163,8 @@ def gguf_config(reader, path: Path) -> ModelConfig:
 
     heads = int(need("attention.head_count"))
     hidden = int(need("embedding_length"))
-    vocab = _gguf_field(reader, f"{arch}.vocab_size") or len(
-        reader.fields["tokenizer.ggml.tokens"].data
+    vocab = _gguf_field(reader, f"{arch}.vocab_size") or reader.array_lengths.get(
+        "tokenizer.ggml.tokens", 0
     )
     eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
     scaling = None
