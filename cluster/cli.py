@@ -76,6 +76,41 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_simulate_router(a: argparse.Namespace) -> int:
+    import json
+
+    from kvmesh.router.profiles import get_profile
+    from kvmesh.router.simulator import (
+        SimConfig,
+        format_table,
+        load_trace,
+        resolve_policies,
+        simulate_policies,
+    )
+
+    policies = resolve_policies(a.policy)
+    cfg = SimConfig(
+        workers=a.workers,
+        capacity_tokens=a.capacity_tokens,
+        host_capacity_tokens=a.host_capacity_tokens,
+        redis=a.redis,
+        profile=get_profile(a.profile),
+        speed=a.speed,
+        seed=a.seed,
+    )
+    trace = load_trace(a.trace, limit=a.limit)
+    results = simulate_policies(trace, policies, cfg)
+    if a.json:
+        print(json.dumps({name: r.to_dict() for name, r in results.items()}, indent=2))
+    else:
+        print(
+            f"{len(trace)} requests, {cfg.workers} workers x {cfg.capacity_tokens} tokens, "
+            f"profile {cfg.profile.name}, speed {cfg.speed}x"
+        )
+        print(format_table(results))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvmesh", description="kvmesh LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -90,6 +125,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     _add_engine_args(g)
     g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser(
+        "simulate-router", help="replay a Mooncake-format trace through the router's policies"
+    )
+    s.add_argument("--trace", required=True, help="JSONL trace (Mooncake format)")
+    s.add_argument("--workers", type=int, required=True)
+    s.add_argument("--capacity-tokens", type=int, required=True, help="device cache per worker")
+    s.add_argument("--policy", default="all", help="a policy name, or all (default)")
+    s.add_argument("--host-capacity-tokens", type=int, default=0, help="host tier per worker")
+    s.add_argument("--redis", action="store_true", help="a shared, unbounded Redis tier")
+    s.add_argument("--profile", default="llama3-8b-h100", help="cost profile")
+    s.add_argument("--speed", type=float, default=1.0, help="replay speed-up of the timestamps")
+    s.add_argument("--limit", type=int, default=None, help="only the first N requests")
+    s.add_argument("--seed", type=int, default=0, help="seed of the policies' tie-breaks")
+    s.add_argument("--json", action="store_true", help="print one JSON object keyed by policy")
+    s.set_defaults(func=cmd_simulate_router)
     return parser
 
 

@@ -18,10 +18,20 @@ from kvmesh.router.policies import (
     route,
 )
 from kvmesh.router.prefix_index import TIERS, IndexStats, Match, PrefixIndex
+from kvmesh.router.profiles import PROFILES, SimProfile, get_profile
+from kvmesh.router.simulator import (
+    PolicyResult,
+    SimConfig,
+    TraceError,
+    load_trace,
+    simulate,
+    simulate_policies,
+)
 
 __all__ = [
     "DEFAULT_POLICY",
     "POLICIES",
+    "PROFILES",
     "TIERS",
     "CandidateScore",
     "CostModel",
@@ -31,12 +41,20 @@ __all__ = [
     "LoadGuard",
     "Match",
     "NoWorkerError",
+    "PolicyResult",
     "PrefixAffinity",
     "PrefixIndex",
     "RoundRobin",
     "RouteRequest",
     "RoutingPolicy",
+    "SimConfig",
+    "SimProfile",
+    "TraceError",
     "WorkerLoad",
+    "get_profile",
+    "load_trace",
     "make_policy",
     "route",
+    "simulate",
+    "simulate_policies",
 ]
