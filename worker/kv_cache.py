@@ -84,7 +84,6 @@ class PagePool:
         self.free_queue = FreePageQueue(self.pages[1:])
         self.cached: dict[bytes, Page] = {}
         self.events = events
-        # parent hash and tokens of each cached page, for BlockStored events
         self.evictions = 0
 
     @property

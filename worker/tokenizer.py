@@ -57,9 +57,6 @@ class Tokenizer:
             messages, add_generation_prompt=add_generation_prompt, tokenize=False
         )
 
-    def convert_ids_to_tokens(self, ids):
-        return self.hf.convert_ids_to_tokens(ids)
-
 
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas without re-decoding everything.

@@ -235,13 +235,9 @@ def iter_gguf_tensors(reader, cfg: ModelConfig, path: Path) -> Iterator[tuple[st
         except Exception as e:
             raise ValueError(f"GGUF {path}: cannot dequantize tensor {t.name}: {e}") from e
         w = torch.from_numpy(arr.copy() if not arr.flags.writeable else arr)
-        if permute and name.endswith("q_proj.weight"):
+        if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
             w = _unpermute_rotary(w, cfg.num_heads)
-        elif permute and name.endswith("k_proj.weight"):
-            w = _unpermute_rotary(w, cfg.num_kv_heads)
-        elif permute and name.endswith("q_proj.bias"):
-            w = _unpermute_rotary(w, cfg.num_heads)
-        elif permute and name.endswith("k_proj.bias"):
+        elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):
             w = _unpermute_rotary(w, cfg.num_kv_heads)
         yield name, w
 
@@ -260,9 +256,7 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
             with safe_open(str(f), framework="pt") as fh:
                 for key in fh.keys():  # noqa: SIM118 - safe_open is not a dict
                     yield key, fh.get_tensor(key)
-        except (OSError, ValueError, RuntimeError) as e:
-            raise ValueError(f"cannot read safetensors file {f}: {e}") from e
-        except Exception as e:  # safetensors raises its own SafetensorError
+        except Exception as e:  # OSError, or safetensors' own SafetensorError on a bad file
             raise ValueError(f"cannot read safetensors file {f}: {e}") from e
 
 
