@@ -11,6 +11,8 @@ from decimal import Decimal
 
 import torch
 
+from kvmesh.kernels.page_format import CACHE_FORMATS
+
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {
     "": 1, "B": 1,
@@ -56,7 +58,7 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-KV_CACHE_DTYPES = ("auto", "fp16", "bf16", "fp32")
+KV_CACHE_DTYPES = CACHE_FORMATS  # auto, fp32, fp16, bf16, fp8, int8, int4
 
 
 @dataclass(frozen=True)
@@ -72,8 +74,8 @@ class CacheConfig:
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
-                f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported by this build; "
-                f"expected one of {KV_CACHE_DTYPES}"
+                f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; accepted: "
+                f"{', '.join(KV_CACHE_DTYPES)}"
             )
         if self.num_blocks_override is not None and self.num_blocks_override < 2:
             raise ValueError("num_blocks must be >= 2 (block 0 is the reserved null page)")

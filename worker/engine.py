@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kvmesh.kernels.page_format import PageLayout, resolve_format
 from kvmesh.kvstore.events import EventLog
 from kvmesh.worker import envs
-from kvmesh.worker.attention import default_backend_name, get_backend
+from kvmesh.worker.attention import LayerCache, default_backend_name, get_backend
 from kvmesh.worker.config import CacheConfig, SchedulerConfig, parse_size, resolve_dtype
 from kvmesh.worker.kv_cache import KVCacheManager
 from kvmesh.worker.model_runner import ModelRunner
@@ -36,8 +37,6 @@ logger = logging.getLogger("kvmesh.engine")
 
 Prompt = str | Sequence[int]
 
-_KV_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-
 
 @dataclass
 class EngineStats:
@@ -46,7 +45,10 @@ class EngineStats:
     kv_cache_usage_perc: float
     num_pages: int
     num_free_pages: int
-    bytes_per_token: int
+    bytes_per_token: float  # device pool bytes per cached token, scales included
+    kv_cache_dtype: str
+    bits_per_value: float
+    residual_bytes: int  # quantized formats' full-precision tail pages (outside the pool)
     prefix_cache_queries: int
     prefix_cache_hits: int
     tokens_computed: int
@@ -104,21 +106,36 @@ class LLMEngine:
         model_mod.fuse_projections()
         self.model = model_mod.eval()
 
-        # page pool sized from the byte budget
-        kv_dtype = self.dtype if kv_cache_dtype == "auto" else _KV_DTYPES[kv_cache_dtype]
+        # page pool sized from the byte budget: one page-major uint8 buffer (page_format)
         bs = block_size
-        elem = torch.tensor([], dtype=kv_dtype).element_size()
-        self.bytes_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * elem
-        n_pages = num_pages or self.cache_config.kv_cache_memory // (self.bytes_per_token * bs)
+        self.cache_format = resolve_format(kv_cache_dtype, self.dtype)
+        self.layout = layout = PageLayout(
+            self.cache_format, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, bs
+        )
+        self.bytes_per_token = layout.bytes_per_token
+        n_pages = num_pages or self.cache_config.kv_cache_memory // layout.page_nbytes
         if n_pages < 2:
             raise ValueError(
                 f"kv_cache_memory={kv_cache_memory!r} holds {n_pages} pages of "
-                f"{self.bytes_per_token * bs} bytes; at least 2 are needed"
+                f"{layout.page_nbytes} bytes; at least 2 are needed"
             )
-        shape = (cfg.num_layers, 2, n_pages, bs, cfg.num_kv_heads, cfg.head_dim)
-        # zeros, not empty: attention reads whole pages and masks the unused slots, and a
-        # masked NaN from uninitialised memory would still poison softmax(..) @ V
-        self.kv_cache = torch.zeros(shape, dtype=kv_dtype, device=self.device)
+        self.kv_buffer = layout.allocate(n_pages, self.device)  # (n_pages, page_nbytes)
+        # quantized formats: one full-precision tail page per running request, outside the
+        # kv_cache_memory budget (like activations): (layers, 2, slots, bs, Hkv, D)
+        n_slots = max_num_seqs if layout.quantized else 0
+        self.residual = torch.zeros(
+            (cfg.num_layers, 2, n_slots, bs, cfg.num_kv_heads, cfg.head_dim),
+            dtype=self.dtype, device=self.device,
+        )  # fmt: skip
+        self.layer_caches = [
+            LayerCache(
+                self.cache_format,
+                layout.views(self.kv_buffer, i),
+                self.residual[i, 0] if n_slots else None,
+                self.residual[i, 1] if n_slots else None,
+            )
+            for i in range(cfg.num_layers)
+        ]
 
         capacity = (n_pages - 1) * bs
         limit = max_model_len or cfg.max_position_embeddings
@@ -138,19 +155,21 @@ class LLMEngine:
         )
         self.engine_id = engine_id or uuid.uuid4().hex[:12]
         self.events = EventLog(self.engine_id)
-        self.kv = KVCacheManager(n_pages, bs, self.events, enable_prefix_caching)
+        self.kv = KVCacheManager(n_pages, bs, self.events, enable_prefix_caching, n_slots)
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
         backend_name = attention_backend or default_backend_name(self.device.type)
         self.backend = get_backend(backend_name, sliding_window=cfg.sliding_window)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.kv, self.backend, self.device)
+        self.runner = ModelRunner(
+            self.model, self.layer_caches, self.kv, self.backend, self.device, n_slots
+        )
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.driver = None  # the AsyncEngine whose thread steps this engine, if any
         logger.info(
-            "engine %s: model %s (%s, %d layers) on %s, %d pages of %d tokens (%.0f MiB), "
+            "engine %s: model %s (%s, %d layers) on %s, %d pages of %d tokens (%s, %.0f MiB), "
             "max_model_len %d, loaded in %.1fs",
             self.engine_id, self.src.name, cfg.architecture, cfg.num_layers, self.device,
-            n_pages, bs, self.kv_cache.numel() * elem / 2**20,
+            n_pages, bs, self.cache_format, self.kv_buffer.numel() / 2**20,
             self.scheduler_config.max_model_len, time.monotonic() - t0,
         )  # fmt: skip
 
@@ -348,6 +367,9 @@ class LLMEngine:
             num_pages=self.kv.pool.num_pages,
             num_free_pages=self.kv.num_free_pages,
             bytes_per_token=self.bytes_per_token,
+            kv_cache_dtype=self.cache_format,
+            bits_per_value=self.layout.bits_per_value,
+            residual_bytes=self.residual.numel() * self.residual.element_size(),
             prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits,
             tokens_computed=self.runner.tokens_computed,

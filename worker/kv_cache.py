@@ -166,12 +166,22 @@ class KVCacheManager:
     cannot hold the request's next tokens; it never preempts (that is the scheduler's call)."""
 
     def __init__(
-        self, num_pages: int, block_size: int, events: EventLog, enable_prefix_caching=True
+        self,
+        num_pages: int,
+        block_size: int,
+        events: EventLog,
+        enable_prefix_caching=True,
+        num_residual_slots: int = 0,
     ):
         self.block_size = block_size
         self.pool = PagePool(num_pages, events)
         self.enable_prefix_caching = enable_prefix_caching
         self.req_pages: dict[str, list[Page]] = {}
+        # quantized formats: each request holding pages owns one residual slot for its
+        # partially filled last page
+        self.num_residual_slots = num_residual_slots
+        self._free_slots = list(range(num_residual_slots - 1, -1, -1))
+        self._req_slot: dict[str, int] = {}
         self._num_hashed: dict[str, int] = {}
         self.prefix_queries = 0  # prompt tokens looked up (Prometheus prefix_cache_queries)
         self.prefix_hits = 0  # of which were found (prefix_cache_hits)
@@ -207,6 +217,10 @@ class KVCacheManager:
         if req.request_id not in self.req_pages:
             self.req_pages[req.request_id] = held = []
             self._num_hashed[req.request_id] = 0
+            if self.num_residual_slots:
+                if not self._free_slots:
+                    raise AssertionError("no residual slot left: more running requests than slots")
+                self._req_slot[req.request_id] = self._free_slots.pop()
         self.pool.touch(computed)
         held.extend(computed)
         self._num_hashed[req.request_id] += len(computed)
@@ -232,7 +246,13 @@ class KVCacheManager:
     def free(self, req: Request) -> None:
         pages = self.req_pages.pop(req.request_id, [])
         self._num_hashed.pop(req.request_id, None)
+        slot = self._req_slot.pop(req.request_id, None)
+        if slot is not None:
+            self._free_slots.append(slot)
         self.pool.release(reversed(pages))
+
+    def residual_slot(self, req: Request) -> int:
+        return self._req_slot[req.request_id]
 
     def page_ids(self, req: Request) -> list[int]:
         return [p.page_id for p in self.req_pages.get(req.request_id, [])]

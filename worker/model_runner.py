@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvmesh.worker.attention import AttentionBackend, AttentionMetadata, PrefillSpan
+from kvmesh.worker.attention import AttentionBackend, AttentionMetadata, LayerCache, PrefillSpan
 from kvmesh.worker.kv_cache import KVCacheManager
 from kvmesh.worker.request import Request
 
@@ -13,13 +13,15 @@ class ModelRunner:
     def __init__(
         self,
         model: torch.nn.Module,
-        kv_cache: torch.Tensor,  # (num_layers, 2, num_pages, block_size, Hkv, D)
+        caches: list[LayerCache],  # per layer views into the page pool
         kv: KVCacheManager,
         backend: AttentionBackend,
         device: torch.device,
+        num_residual_slots: int = 0,  # quantized formats: R, the residual's slot count
     ):
         self.model = model
-        self.kv_cache = kv_cache
+        self.caches = caches
+        self.num_residual_slots = num_residual_slots
         self.kv = kv
         self.backend = backend
         self.device = device
@@ -40,6 +42,8 @@ class ModelRunner:
         prefills: list[PrefillSpan] = []
         logit_idx: list[int] = []
         sampled: list[Request] = []
+        quantized = self.num_residual_slots > 0
+        q = _QuantPlan(bs, self.num_residual_slots) if quantized else None
         for req, n in order:
             c = req.num_computed_tokens
             table = self.kv.page_ids(req)
@@ -47,13 +51,20 @@ class ModelRunner:
             ids += req.all_token_ids[c : c + n]
             pos += range(c, c + n)
             slots += [table[p // bs] * bs + p % bs for p in range(c, c + n)]
+            r = -1
+            if q is not None:
+                r = self.kv.residual_slot(req)
+                q.add(table, start, c, n, r)
+            tail = r if (c + n) % bs else -1  # the slot holding the partial last page
             if n == 1:
                 decode_tables.append(table[: (c + bs) // bs])
                 decode_lens.append(c + 1)
+                if q is not None:
+                    q.decode_slots.append(tail)
             else:
                 n_pages = -(-(c + n) // bs)
                 pages = torch.tensor(table[:n_pages], dtype=torch.int64, device=self.device)
-                prefills.append(PrefillSpan(start, n, c + n, pages))
+                prefills.append(PrefillSpan(start, n, c + n, pages, tail))
             if c + n == req.num_tokens:
                 logit_idx.append(len(ids) - 1)
                 sampled.append(req)
@@ -69,14 +80,54 @@ class ModelRunner:
             prefills=prefills,
             block_size=bs,
         )
+        if q is not None:
+            q.fill(meta, self.device)
         self.backend.prepare(meta)
         with torch.inference_mode():
             logits = self.model(
                 torch.tensor(ids, dtype=torch.int64, device=self.device),
                 torch.tensor(pos, dtype=torch.int64, device=self.device),
-                self.kv_cache,
+                self.caches,
                 self.backend,
                 torch.tensor(logit_idx, dtype=torch.int64, device=self.device),
             )
         self.tokens_computed += len(ids)
         return sampled, logits
+
+
+class _QuantPlan:
+    """Per-step bookkeeping for quantized formats: which pages fill (and where their tokens
+    are in full precision), and which new tokens go to residual slots."""
+
+    def __init__(self, block_size: int, num_slots: int):
+        self.bs = block_size
+        self.res_rows = num_slots * block_size  # new-token sources are offset by this
+        self.residual_rows: list[int] = []  # per new token, in step order
+        self.complete_pages: list[int] = []
+        self.complete_src: list[int] = []
+        self.decode_slots: list[int] = []
+
+    def add(self, table: list[int], start: int, c: int, n: int, r: int) -> None:
+        """A request with ``c`` computed tokens gets ``n`` new ones at ``tokens[start:]``."""
+        if r < 0:
+            raise AssertionError("a request of a quantized cache has no residual slot")
+        bs, end = self.bs, c + n
+        for p in range(c // bs, end // bs):  # pages that fill in this step
+            self.complete_pages.append(table[p])
+            for pos in range(p * bs, (p + 1) * bs):
+                # earlier tokens of the page wait in the residual; the rest are new
+                self.complete_src.append(
+                    r * bs + pos % bs if pos < c else self.res_rows + start + pos - c
+                )
+        tail_from = max(c, end // bs * bs)
+        self.residual_rows += [-1] * (tail_from - c)
+        self.residual_rows += [r * bs + pos % bs for pos in range(tail_from, end)]
+
+    def fill(self, meta: AttentionMetadata, device: torch.device) -> None:
+        def t(x):
+            return torch.tensor(x, dtype=torch.int64, device=device)
+
+        meta.residual_slots = t(self.residual_rows)
+        meta.complete_pages = t(self.complete_pages)
+        meta.complete_src = t(self.complete_src).view(-1, self.bs)
+        meta.decode_residual_slots = t(self.decode_slots)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conftest import text_prompts
+from helpers import text_prompts
 
 from kvmesh.worker import LLM, SamplingParams
 

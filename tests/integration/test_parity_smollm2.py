@@ -1,6 +1,6 @@
 """Greedy outputs equal transformers', token for token, in fp32, on the real SmolLM2 weights."""
 
-from conftest import hf_greedy, text_prompts
+from helpers import hf_greedy, text_prompts
 
 from kvmesh.worker import SamplingParams
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import hf_greedy
+from helpers import hf_greedy
 
 from kvmesh.worker import LLM, SamplingParams
 

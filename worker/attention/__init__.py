@@ -7,7 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvmesh.worker.attention.base import AttentionBackend, AttentionMetadata, PrefillSpan
+from kvmesh.worker.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    LayerCache,
+    PrefillSpan,
+)
 
 
 def _torch_backend(**kw) -> AttentionBackend:
@@ -41,6 +46,7 @@ def default_backend_name(device: str) -> str:
 __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
+    "LayerCache",
     "PrefillSpan",
     "available_backends",
     "default_backend_name",

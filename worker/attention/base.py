@@ -15,6 +15,24 @@ import torch
 
 
 @dataclass
+class LayerCache:
+    """One layer's slice of the page pool, as typed in-place views (see
+    ``kernels.page_format``): ``views[name]`` is ``(num_pages, *shape)`` with a page stride of
+    the whole page, so it is strided, not contiguous. Quantized formats add the residual, the
+    full-precision tail pages of running requests: ``residual_k``/``residual_v``
+    ``(R, block_size, Hkv, D)``, contiguous."""
+
+    cache_format: str
+    views: dict[str, torch.Tensor]
+    residual_k: torch.Tensor | None = None
+    residual_v: torch.Tensor | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.residual_k is not None
+
+
+@dataclass
 class PrefillSpan:
     """One request's chunk of ``q_len > 1`` new tokens at ``tokens[start:start + q_len]``."""
 
@@ -22,6 +40,7 @@ class PrefillSpan:
     q_len: int
     context_len: int  # cached + new tokens: the keys this chunk attends to
     block_table: torch.Tensor  # (num_pages,) int64 page ids covering context_len
+    residual_slot: int = -1  # quantized formats: the slot holding the partial last page
 
 
 @dataclass
@@ -32,6 +51,14 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor  # (num_decode,) int64
     prefills: list[PrefillSpan]
     block_size: int
+    # quantized formats only (empty otherwise): a page is quantized when it fills; until then
+    # its tokens live in the request's residual slot r, rows r * block_size + offset
+    residual_slots: torch.Tensor | None = None  # (T,) int64 residual row per token, or -1
+    complete_pages: torch.Tensor | None = None  # (n,) int64 pages that fill this step
+    # (n, block_size) int64: where each token of a completing page is in full precision:
+    # i < R * block_size is residual row i (from an earlier step), else new token i - R * bs
+    complete_src: torch.Tensor | None = None
+    decode_residual_slots: torch.Tensor | None = None  # (num_decode,) int64, -1 if no tail
 
 
 class AttentionBackend(ABC):
@@ -50,9 +77,8 @@ class AttentionBackend(ABC):
         q: torch.Tensor,  # (T, Hq, D)
         k: torch.Tensor,  # (T, Hkv, D)
         v: torch.Tensor,  # (T, Hkv, D)
-        k_cache: torch.Tensor,  # (num_pages, block_size, Hkv, D)
-        v_cache: torch.Tensor,  # (num_pages, block_size, Hkv, D)
+        cache: LayerCache,
         scale: float,
     ) -> torch.Tensor:
-        """Store k/v at the step's slots (this mutates the caches), then return attention
+        """Store k/v at the step's slots (this mutates the cache), then return attention
         output of shape (T, Hq, D)."""

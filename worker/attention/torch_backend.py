@@ -5,6 +5,9 @@ block_size x Hkv x D runs, far cheaper than a per-token gather). Padding entries
 table point at the null page (page 0), which holds zeros, so masked positions never read
 uninitialised memory.
 
+Quantized formats are read by dequantizing the gathered pages (``kernels.quant``), with a
+request's partially filled last page taken from its full-precision residual slot instead.
+
 Decode (one query token per request) folds each KV head's group of query heads into the
 query-length axis: q (B, Hkv, G, D) against k (B, Hkv, L, D). Every K/V tile is read once
 per group and no repeat of K/V is materialised.
@@ -15,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvmesh.worker.attention.base import AttentionBackend, AttentionMetadata
+from kvmesh.worker.attention.base import AttentionBackend, AttentionMetadata, LayerCache
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -29,6 +32,8 @@ class TorchAttentionBackend(AttentionBackend):
         self._meta = meta
         bs = meta.block_size
         dev = meta.slot_mapping.device
+        self._page_idx = meta.slot_mapping // bs  # (T,) where each new token is written
+        self._page_off = meta.slot_mapping % bs
         self._decode_mask = None
         if meta.num_decode:
             B, P = meta.decode_block_tables.shape
@@ -38,9 +43,12 @@ class TorchAttentionBackend(AttentionBackend):
             if self.sliding_window is not None:
                 mask &= pos[None, :] >= ctx - self.sliding_window
             self._decode_mask = mask[:, None, None, :]  # (B, 1, 1, L)
+        quantized = meta.residual_slots is not None
         self._prefill = []
         for span in meta.prefills:
-            fresh = span.context_len == span.q_len  # nothing cached: causal over new tokens
+            # nothing cached: causal over the new tokens, no gather (float formats only: a
+            # quantized page must be read back as stored)
+            fresh = span.context_len == span.q_len and not quantized
             mask = None
             if not fresh or self.sliding_window is not None:
                 kpos = torch.arange(span.context_len, device=dev)
@@ -49,27 +57,101 @@ class TorchAttentionBackend(AttentionBackend):
                 if self.sliding_window is not None:
                     mask &= kpos[None, :] > qpos[:, None] - self.sliding_window
             self._prefill.append((span, fresh, mask))
+        if quantized:
+            self._prepare_quantized(meta)
 
-    def forward(self, q, k, v, k_cache, v_cache, scale):
+    def _prepare_quantized(self, meta: AttentionMetadata) -> None:
+        # Where completing pages' tokens come from, split by source, once for every layer.
+        # The residual row count R * bs is not known here, so the split happens lazily in
+        # _write_quantized on the first layer and is reused by the rest.
+        self._complete_split = None
+        rs = meta.residual_slots
+        keep = rs >= 0
+        self._res_rows = rs[keep]  # residual rows written this step
+        self._res_tokens = keep.nonzero().squeeze(1)  # ... from these new tokens
+        dec = meta.decode_residual_slots
+        self._decode_tail = None
+        if meta.num_decode and dec is not None and bool((dec >= 0).any()):
+            rows = (dec >= 0).nonzero().squeeze(1)
+            tail_page = meta.decode_context_lens[rows] // meta.block_size
+            self._decode_tail = (rows, tail_page, dec[rows])
+
+    def _split_complete(self, meta: AttentionMetadata, n_res_rows: int):
+        if self._complete_split is None:
+            src = meta.complete_src.reshape(-1)  # (n * bs,)
+            from_res = src < n_res_rows
+            pos_res = from_res.nonzero().squeeze(1)
+            pos_new = (~from_res).nonzero().squeeze(1)
+            self._complete_split = (pos_res, src[pos_res], pos_new, src[pos_new] - n_res_rows)
+        return self._complete_split
+
+    def _write_quantized(self, k, v, cache: LayerCache) -> None:
+        from kvmesh.kernels.quant import quantize_pages
+
+        meta = self._meta
+        bs = meta.block_size
+        R, _, Hkv, D = cache.residual_k.shape
+        res_k = cache.residual_k.view(R * bs, Hkv, D)
+        res_v = cache.residual_v.view(R * bs, Hkv, D)
+        n = meta.complete_pages.numel()
+        if n:
+            # gather the completing pages in full precision before this step's tokens
+            # overwrite residual rows
+            pos_res, idx_res, pos_new, idx_new = self._split_complete(meta, R * bs)
+            full_k = torch.empty((n * bs, Hkv, D), dtype=res_k.dtype, device=k.device)
+            full_v = torch.empty_like(full_k)
+            full_k[pos_res] = res_k[idx_res]
+            full_v[pos_res] = res_v[idx_res]
+            full_k[pos_new] = k[idx_new].to(full_k.dtype)
+            full_v[pos_new] = v[idx_new].to(full_v.dtype)
+            comps = quantize_pages(
+                cache.cache_format, full_k.view(n, bs, Hkv, D), full_v.view(n, bs, Hkv, D)
+            )
+            for name, t in comps.items():
+                cache.views[name][meta.complete_pages] = t
+        if self._res_rows.numel():
+            res_k[self._res_rows] = k[self._res_tokens].to(res_k.dtype)
+            res_v[self._res_rows] = v[self._res_tokens].to(res_v.dtype)
+
+    def _read_pages(self, cache: LayerCache, pages: torch.Tensor, dtype: torch.dtype):
+        """K and V of ``pages`` (n,) as (n, bs, Hkv, D) in ``dtype``."""
+        if not cache.quantized:
+            k = cache.views["k"].index_select(0, pages)
+            v = cache.views["v"].index_select(0, pages)
+            return k.to(dtype), v.to(dtype)
+        from kvmesh.kernels.quant import dequantize_pages
+
+        comps = {name: t.index_select(0, pages) for name, t in cache.views.items()}
+        return dequantize_pages(cache.cache_format, comps, dtype)
+
+    def forward(self, q, k, v, cache: LayerCache, scale):
         meta = self._meta
         assert meta is not None, "prepare() must be called before forward()"
         T, Hq, D = q.shape
         Hkv = k.shape[1]
         G = Hq // Hkv
         bs = meta.block_size
-        k_cache.view(-1, Hkv, D).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, Hkv, D).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        if cache.quantized:
+            self._write_quantized(k, v, cache)
+        else:
+            kc, vc = cache.views["k"], cache.views["v"]
+            kc[self._page_idx, self._page_off] = k.to(kc.dtype)
+            vc[self._page_idx, self._page_off] = v.to(vc.dtype)
         out = torch.empty_like(q)
         nd = meta.num_decode
         if nd:
             tables = meta.decode_block_tables  # (B, P)
             B, P = tables.shape
-            flat = tables.reshape(-1)
-            kk = k_cache.index_select(0, flat).view(B, P * bs, Hkv, D).transpose(1, 2)
-            vv = v_cache.index_select(0, flat).view(B, P * bs, Hkv, D).transpose(1, 2)
+            kk, vv = self._read_pages(cache, tables.reshape(-1), q.dtype)  # (B * P, bs, Hkv, D)
+            if cache.quantized and self._decode_tail is not None:
+                rows, tail_page, slots = self._decode_tail
+                kk.view(B, P, bs, Hkv, D)[rows, tail_page] = cache.residual_k[slots].to(q.dtype)
+                vv.view(B, P, bs, Hkv, D)[rows, tail_page] = cache.residual_v[slots].to(q.dtype)
+            kk = kk.view(B, P * bs, Hkv, D).transpose(1, 2)  # (B, Hkv, L, D)
+            vv = vv.view(B, P * bs, Hkv, D).transpose(1, 2)
             qq = q[:nd].view(B, Hkv, G, D)  # a KV head's query group as the query axis
             o = F.scaled_dot_product_attention(
-                qq, kk.to(q.dtype), vv.to(q.dtype), attn_mask=self._decode_mask, scale=scale
+                qq, kk, vv, attn_mask=self._decode_mask, scale=scale
             )  # (B, Hkv, G, D)
             out[:nd] = o.reshape(B, Hq, D)
         for span, fresh, mask in self._prefill:
@@ -77,14 +159,17 @@ class TorchAttentionBackend(AttentionBackend):
             qq = q[s : s + n].transpose(0, 1).unsqueeze(0)  # (1, Hq, n, D)
             if fresh:  # keys are exactly this chunk's: no gather
                 # round-trip through the cache dtype so a later cache hit sees the same keys
-                kk = k[s : s + n].to(k_cache.dtype).to(q.dtype).transpose(0, 1).unsqueeze(0)
-                vv = v[s : s + n].to(v_cache.dtype).to(q.dtype).transpose(0, 1).unsqueeze(0)
+                kdt = cache.views["k"].dtype
+                kk = k[s : s + n].to(kdt).to(q.dtype).transpose(0, 1).unsqueeze(0)
+                vv = v[s : s + n].to(kdt).to(q.dtype).transpose(0, 1).unsqueeze(0)
             else:
                 ctx = span.context_len
-                kk = k_cache.index_select(0, span.block_table).view(-1, Hkv, D)[:ctx]
-                vv = v_cache.index_select(0, span.block_table).view(-1, Hkv, D)[:ctx]
-                kk = kk.transpose(0, 1).unsqueeze(0).to(q.dtype)  # (1, Hkv, ctx, D)
-                vv = vv.transpose(0, 1).unsqueeze(0).to(q.dtype)
+                kk, vv = self._read_pages(cache, span.block_table, q.dtype)  # (P, bs, Hkv, D)
+                if cache.quantized and ctx % bs:
+                    kk[ctx // bs] = cache.residual_k[span.residual_slot].to(q.dtype)
+                    vv[ctx // bs] = cache.residual_v[span.residual_slot].to(q.dtype)
+                kk = kk.view(-1, Hkv, D)[:ctx].transpose(0, 1).unsqueeze(0)  # (1, Hkv, ctx, D)
+                vv = vv.view(-1, Hkv, D)[:ctx].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(
                 qq, kk, vv, attn_mask=mask, is_causal=mask is None, scale=scale,
                 enable_gqa=G > 1,

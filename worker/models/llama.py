@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvmesh.kernels.cpu_linear import PackedLinear
-from kvmesh.worker.attention import AttentionBackend
+from kvmesh.worker.attention import AttentionBackend, LayerCache
 from kvmesh.worker.models.config import ModelConfig
 
 
@@ -100,7 +100,7 @@ class Attention(nn.Module):
         self.o = PackedLinear(self.o_proj.weight.data, _bias(self.o_proj))
         del self.q_proj, self.k_proj, self.v_proj
 
-    def forward(self, x, cos, sin, k_cache, v_cache, backend: AttentionBackend):
+    def forward(self, x, cos, sin, cache: LayerCache, backend: AttentionBackend):
         T = x.shape[0]
         if self.qkv is None:
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
@@ -110,7 +110,7 @@ class Attention(nn.Module):
         qk = apply_rotary(qkv[:, :n_qk].view(T, self.nh + self.nkv, self.hd), cos, sin)
         q, k = qk[:, : self.nh], qk[:, self.nh :]  # (T, nh, hd), (T, nkv, hd)
         v = qkv[:, n_qk:].view(T, self.nkv, self.hd)  # (T, nkv, hd)
-        o = backend.forward(q, k, v, k_cache, v_cache, self.scale)  # (T, nh, hd)
+        o = backend.forward(q, k, v, cache, self.scale)  # (T, nh, hd)
         o = o.reshape(T, self.nh * self.hd)
         return self.o(o) if self.o is not None else self.o_proj(o)
 
@@ -150,8 +150,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, backend):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, backend)
+    def forward(self, x, cos, sin, cache, backend):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -187,7 +187,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # (T,)
         positions: torch.Tensor,  # (T,)
-        kv_cache: torch.Tensor,  # (num_layers, 2, num_pages, block_size, Hkv, D)
+        caches: list[LayerCache],  # one per layer: views into the page pool
         backend: AttentionBackend,
         logit_indices: torch.Tensor,  # (S,) indices into the T tokens
     ) -> torch.Tensor:
@@ -195,7 +195,7 @@ class LlamaForCausalLM(nn.Module):
         x = m.embed_tokens(input_ids)  # (T, hidden)
         cos, sin = m.rotary_emb(positions, x.dtype)
         for i, layer in enumerate(m.layers):
-            x = layer(x, cos, sin, kv_cache[i, 0], kv_cache[i, 1], backend)
+            x = layer(x, cos, sin, caches[i], backend)
         x = m.norm(x[logit_indices])  # (S, hidden)
         logits = self.head(x) if self.head is not None else self.lm_head(x)
         return logits.float()  # (S, vocab)

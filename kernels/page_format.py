@@ -1,0 +1,137 @@
+"""The byte layout of a KV page: one format for the device pool, the tiers and the wire.
+
+The pool is one ``uint8`` tensor of shape ``(num_pages, page_nbytes)``: page-major, so a page
+is one contiguous run of bytes. Spilling a page is a copy of ``buf[page_id]``, restoring it
+is a copy back, and byte-exactness holds by construction.
+
+Inside a page the bytes are grouped by layer, and each layer holds the components of its
+format in a fixed order (K data, K scales, ..., V data, ...). Every component starts at a
+16-byte aligned offset, so it can be viewed in place as a typed tensor of shape
+``(num_pages, *shape)`` whose page stride is ``page_nbytes / itemsize`` elements.
+
+Quantized formats keep a request's last, partially filled page in full precision in a
+separate *residual* buffer and quantize the page once it is full (KIVI's full-precision
+residual): see ``residual_shape``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+ALIGN = 16
+FLOAT_FORMATS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+QUANT_FORMATS = ("fp8", "int8", "int4")
+CACHE_FORMATS = ("auto", *FLOAT_FORMATS, *QUANT_FORMATS)
+
+
+@dataclass(frozen=True)
+class Component:
+    name: str  # e.g. "k", "k_scale", "v"
+    dtype: torch.dtype
+    shape: tuple[int, ...]  # per page and layer
+
+    @property
+    def nbytes(self) -> int:
+        n = torch.tensor([], dtype=self.dtype).element_size()
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def _components(fmt: str, bs: int, H: int, D: int) -> list[Component]:
+    if fmt in FLOAT_FORMATS:
+        dt = FLOAT_FORMATS[fmt]
+        return [Component("k", dt, (bs, H, D)), Component("v", dt, (bs, H, D))]
+    from kvmesh.kernels.quant import quant_components  # the quantized layouts live there
+
+    return quant_components(fmt, bs, H, D)
+
+
+def resolve_format(kv_cache_dtype: str, model_dtype: torch.dtype) -> str:
+    """The concrete format name: ``auto`` becomes the model dtype's name."""
+    if kv_cache_dtype not in CACHE_FORMATS:
+        raise ValueError(
+            f"unknown kv_cache_dtype {kv_cache_dtype!r}; accepted: {', '.join(CACHE_FORMATS)}"
+        )
+    if kv_cache_dtype != "auto":
+        return kv_cache_dtype
+    for name, dt in FLOAT_FORMATS.items():
+        if dt == model_dtype:
+            return name
+    raise ValueError(f"no cache format for model dtype {model_dtype}")
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    cache_format: str  # concrete: fp32, fp16, bf16, fp8, int8, int4
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    components: tuple[Component, ...] = field(init=False)
+    offsets: tuple[int, ...] = field(init=False)  # byte offset of each component in a layer
+    layer_nbytes: int = field(init=False)
+
+    def __post_init__(self):
+        if self.cache_format not in CACHE_FORMATS or self.cache_format == "auto":
+            raise ValueError(f"PageLayout needs a concrete format, got {self.cache_format!r}")
+        for name in ("num_layers", "num_kv_heads", "head_size", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        comps = tuple(
+            _components(self.cache_format, self.block_size, self.num_kv_heads, self.head_size)
+        )
+        offsets, off = [], 0
+        for c in comps:
+            offsets.append(off)
+            off += -(-c.nbytes // ALIGN) * ALIGN
+        object.__setattr__(self, "components", comps)
+        object.__setattr__(self, "offsets", tuple(offsets))
+        object.__setattr__(self, "layer_nbytes", off)
+
+    @property
+    def quantized(self) -> bool:
+        return self.cache_format in QUANT_FORMATS
+
+    @property
+    def page_nbytes(self) -> int:
+        return self.layer_nbytes * self.num_layers
+
+    @property
+    def bytes_per_token(self) -> float:
+        """Device bytes per cached token, scales and alignment included."""
+        return self.page_nbytes / self.block_size
+
+    @property
+    def bits_per_value(self) -> float:
+        values = self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_size
+        return self.page_nbytes * 8 / values
+
+    def allocate(self, num_pages: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """A zeroed pool ``(num_pages, page_nbytes)`` uint8. Zeros, not empty: attention reads
+        whole pages and masks unused slots, and masked garbage (NaN) would poison softmax."""
+        return torch.zeros((num_pages, self.page_nbytes), dtype=torch.uint8, device=device)
+
+    def views(self, buf: torch.Tensor, layer: int) -> dict[str, torch.Tensor]:
+        """Typed in-place views of ``layer``'s components: name -> (num_pages, *shape)."""
+        if buf.dtype != torch.uint8 or buf.dim() != 2 or buf.shape[1] != self.page_nbytes:
+            raise ValueError(
+                f"expected a uint8 pool (num_pages, {self.page_nbytes}), got "
+                f"{tuple(buf.shape)} {buf.dtype}"
+            )
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer} out of range [0, {self.num_layers})")
+        base = layer * self.layer_nbytes
+        out = {}
+        for c, off in zip(self.components, self.offsets):
+            raw = buf[:, base + off : base + off + c.nbytes]  # (num_pages, nbytes)
+            out[c.name] = raw.view(c.dtype).unflatten(1, c.shape)
+        return out
+
+    def residual_shape(self, num_slots: int) -> tuple[int, ...]:
+        """Full-precision tail pages of quantized formats: (slots, layers, 2, bs, Hkv, D)."""
+        return (
+            num_slots, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_size
+        )  # fmt: skip

@@ -1,0 +1,317 @@
+"""The Redis tier: encoded page objects in a Redis server, batched, and never a failure.
+
+Keys are ``kvmesh:{model_fp}:{cache_format}:{page_hash_hex}`` (DESIGN.md). Every batch is one
+round trip: ``get`` is one MGET, ``contains`` pipelined EXISTS, ``put`` pipelined SET (with PX
+when a TTL is set), ``evict`` one DEL.
+
+A Redis that is down, slow or full costs cache hits, never a request: any fault turns reads
+into misses and skips writes. The first fault of an incident logs one warning; the tier then
+stays away from the server for an exponential backoff (``backoff_s`` doubling up to
+``max_backoff_s``) and answers at once, and logs one info line when the server answers again.
+Keys that Redis drops by its own eviction policy are plain misses. A SET refused with OOM
+(``maxmemory`` with ``noeviction``) is skipped and counted; the server stays "up".
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import redis
+from redis.backoff import NoBackoff
+from redis.exceptions import OutOfMemoryError
+from redis.retry import Retry
+
+from kvmesh.kvstore.tier import Tier
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_SKIPPED = object()  # the call did not reach the server (backoff, or it failed)
+
+
+def redis_key(model_fp: str, cache_format: str, page_hash: bytes) -> str:
+    """The Redis key of one page."""
+    return f"kvmesh:{model_fp}:{cache_format}:{page_hash.hex()}"
+
+
+class RedisTier(Tier):
+    """Encoded page objects in Redis under ``kvmesh:{model_fp}:{cache_format}:{hash hex}``.
+
+    ``metrics`` counters: ``hits``, ``misses`` (including reads answered during a backoff),
+    ``puts``, ``puts_skipped``, ``oom`` (SETs refused for memory), ``evictions`` (keys sent
+    to DEL), ``bytes_read``, ``bytes_written``, ``errors`` (failed round trips and refused
+    commands), ``incidents`` (up -> down transitions), ``calls_skipped`` (batches not sent
+    during a backoff). Thread-safe: redis-py's pool hands each thread its own connection.
+    """
+
+    name = "redis"
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        model_fp: str,
+        cache_format: str,
+        ttl_s: float | None = None,
+        timeout_s: float = 0.5,
+        max_connections: int = 8,
+        backoff_s: float = 0.1,
+        max_backoff_s: float = 4.0,
+    ) -> None:
+        if not model_fp or ":" in model_fp:
+            raise ValueError(f"model_fp must be a non-empty string without ':', got {model_fp!r}")
+        if not cache_format or ":" in cache_format:
+            raise ValueError(
+                f"cache_format must be a non-empty string without ':', got {cache_format!r}"
+            )
+        if ttl_s is not None and not ttl_s > 0:
+            raise ValueError(f"ttl_s must be > 0 seconds or None, got {ttl_s!r}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {max_connections!r}")
+        if not 0 < backoff_s <= max_backoff_s:
+            raise ValueError(
+                f"need 0 < backoff_s <= max_backoff_s, got {backoff_s!r} and {max_backoff_s!r}"
+            )
+        self.url = url
+        self.model_fp = model_fp
+        self.cache_format = cache_format
+        self._px = None if ttl_s is None else max(1, round(ttl_s * 1000))
+        self._backoff_base = backoff_s
+        self._backoff_cap = max_backoff_s
+        # Retries are ours (the backoff below); redis-py's own would multiply every timeout.
+        self._pool = redis.BlockingConnectionPool.from_url(
+            url,
+            max_connections=max_connections,
+            timeout=timeout_s,  # waiting for a free pooled connection
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),
+        )
+        self._client = redis.Redis(connection_pool=self._pool)
+        self._lock = threading.Lock()  # guards metrics and the health state
+        self._down_since: float | None = None  # monotonic time of the incident's first fault
+        self._retry_at = 0.0
+        self._backoff = 0.0
+        self._oom_warned = False
+        self.metrics: dict[str, int] = dict.fromkeys(
+            (
+                "hits",
+                "misses",
+                "puts",
+                "puts_skipped",
+                "oom",
+                "evictions",
+                "bytes_read",
+                "bytes_written",
+                "errors",
+                "incidents",
+                "calls_skipped",
+            ),
+            0,
+        )
+
+    # ------------------------------------------------------------------ health
+    @property
+    def healthy(self) -> bool:
+        """False from a fault until the server answers again."""
+        return self._down_since is None
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for k, v in deltas.items():
+                self.metrics[k] += v
+
+    def _call(self, op: str, fn: Callable[[], T]) -> T | object:
+        """``fn()``, or ``_SKIPPED`` if in a backoff or the call failed (counted, logged)."""
+        with self._lock:
+            if self._down_since is not None and time.monotonic() < self._retry_at:
+                self.metrics["calls_skipped"] += 1
+                return _SKIPPED
+        try:
+            result = fn()
+        except Exception as e:  # any fault of any kind: the tier must not raise
+            self._on_fault(op, e)
+            return _SKIPPED
+        self._on_success()
+        return result
+
+    def _on_fault(self, op: str, e: Exception) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self.metrics["errors"] += 1
+            first = self._down_since is None
+            if first:
+                self.metrics["incidents"] += 1
+                self._down_since = now
+                self._backoff = self._backoff_base
+            else:
+                self._backoff = min(2 * self._backoff, self._backoff_cap)
+            self._retry_at = now + self._backoff
+            backoff = self._backoff
+        if first:
+            logger.warning(
+                "redis tier %s unavailable (%s during %s: %s): reads are misses and writes "
+                "are skipped until it answers again",
+                self.url,
+                type(e).__name__,
+                op,
+                e,
+            )
+        else:
+            logger.debug(
+                "redis tier %s still unavailable (%s); next try in %.2fs", self.url, e, backoff
+            )
+        # Pooled sockets to a restarted server are dead; drop the idle ones so the next try
+        # reconnects instead of failing once per stale connection.
+        try:
+            self._pool.disconnect(inuse_connections=False)
+        except Exception:
+            pass
+
+    def _on_success(self) -> None:
+        if self._down_since is None:  # fast path, no lock: the common case
+            return
+        with self._lock:
+            if self._down_since is None:
+                return
+            down_for = time.monotonic() - self._down_since
+            self._down_since = None
+            self._backoff = 0.0
+        logger.info("redis tier %s reachable again after %.1fs", self.url, down_for)
+
+    # -------------------------------------------------------------- operations
+    def _keys(self, hashes: Sequence[bytes]) -> list[str]:
+        return [redis_key(self.model_fp, self.cache_format, h) for h in hashes]
+
+    def contains(self, hashes: Sequence[bytes]) -> list[bool]:
+        if not hashes:
+            return []
+
+        def run() -> list:
+            pipe = self._client.pipeline(transaction=False)
+            for k in self._keys(hashes):
+                pipe.exists(k)
+            return pipe.execute()
+
+        result = self._call("EXISTS", run)
+        if result is _SKIPPED:
+            return [False] * len(hashes)
+        return [bool(n) for n in result]
+
+    def get(self, hashes: Sequence[bytes]) -> list[bytes | None]:
+        if not hashes:
+            return []
+        keys = self._keys(hashes)
+        result = self._call("MGET", lambda: self._client.mget(keys))
+        if result is _SKIPPED:
+            self._count(misses=len(hashes))
+            return [None] * len(hashes)
+        hits = [v for v in result if v is not None]
+        self._count(
+            hits=len(hits),
+            misses=len(result) - len(hits),
+            bytes_read=sum(len(v) for v in hits),
+        )
+        return list(result)
+
+    def put(self, items: Sequence[tuple[bytes, bytes]]) -> None:
+        if not items:
+            return
+
+        def run() -> list:
+            pipe = self._client.pipeline(transaction=False)
+            for (_, obj), k in zip(items, self._keys([h for h, _ in items])):
+                pipe.set(k, obj, px=self._px)
+            # Per-command refusals (OOM) come back as exception objects, not raised.
+            return pipe.execute(raise_on_error=False)
+
+        result = self._call("SET", run)
+        if result is _SKIPPED:
+            self._count(puts_skipped=len(items))
+            return
+        stored = [not isinstance(r, Exception) for r in result]
+        n_ok = sum(stored)
+        refused = [r for r in result if isinstance(r, Exception)]
+        n_oom = sum(isinstance(r, OutOfMemoryError) for r in refused)
+        self._count(
+            puts=n_ok,
+            bytes_written=sum(len(obj) for (_, obj), ok in zip(items, stored) if ok),
+            puts_skipped=len(refused),
+            oom=n_oom,
+            errors=len(refused) - n_oom,
+        )
+        if refused and not self._oom_warned:
+            self._oom_warned = True  # one warning until a batch is stored in full again
+            logger.warning(
+                "redis tier %s refused %d of %d SETs (%s); those pages are not cached there",
+                self.url,
+                len(refused),
+                len(items),
+                refused[0],
+            )
+        elif not refused and self._oom_warned:
+            self._oom_warned = False
+            logger.info("redis tier %s accepts writes again", self.url)
+
+    def evict(self, hashes: Sequence[bytes]) -> None:
+        if not hashes:
+            return
+        keys = self._keys(hashes)
+        if self._call("DEL", lambda: self._client.delete(*keys)) is not _SKIPPED:
+            self._count(evictions=len(keys))
+
+    def close(self) -> None:
+        self._pool.disconnect()
+
+
+def redis_throughput(
+    url: str, n_pages: int = 64, page_nbytes: int = 737_280, *, repeats: int = 3
+) -> dict:
+    """Batched put/get throughput of one ``RedisTier`` against the server at ``url``.
+
+    Writes ``n_pages`` encoded random pages in one ``put``, reads them back in one ``get``
+    (checked byte-equal), deletes them; best of ``repeats``. GB/s counts object bytes (header
+    included) over wall time, 1 GB = 1e9 bytes.
+    """
+    from kvmesh.kvstore.codec import PageSpec, encode
+
+    model_fp = os.urandom(8).hex()  # a fresh key space: never touches real pages
+    spec = PageSpec(model_fp, "bench", 1, 1, 1, 1, page_nbytes)
+    tier = RedisTier(url, model_fp=model_fp, cache_format="bench", timeout_s=10.0)
+    items = [(os.urandom(16), encode(spec, os.urandom(page_nbytes))) for _ in range(n_pages)]
+    hashes = [h for h, _ in items]
+    total = sum(len(o) for _, o in items)
+    put_s, get_s = [], []
+    try:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            tier.put(items)
+            t1 = time.perf_counter()
+            got = tier.get(hashes)
+            t2 = time.perf_counter()
+            if got != [o for _, o in items]:
+                raise RuntimeError(f"redis tier lost or changed pages: metrics {tier.metrics}")
+            tier.evict(hashes)
+            put_s.append(t1 - t0)
+            get_s.append(t2 - t1)
+    finally:
+        tier.evict(hashes)
+        tier.close()
+    return {
+        "n_pages": n_pages,
+        "page_nbytes": page_nbytes,
+        "batch_bytes": total,
+        "repeats": repeats,
+        "put_s": min(put_s),
+        "get_s": min(get_s),
+        "put_gbps": total / min(put_s) / 1e9,
+        "get_gbps": total / min(get_s) / 1e9,
+        "errors": tier.metrics["errors"],
+    }

@@ -1,0 +1,142 @@
+"""TieredStore: the engine's one door to every tier below the device pool.
+
+Tiers are ordered fastest first (e.g. host, redis, peer). Writes go to the first tier; a
+HostTier first in line writes its LRU victims back to the next tier (write-back spill).
+Reads walk the tiers in order and ask each only for what the tiers above it missed, one
+batch per tier. The store validates every object with the codec: an object that fails is a
+miss, is deleted from the tier that held it, and is counted, so a reader never sees foreign
+or corrupted KV.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+
+from kvmesh.kvstore.codec import Buffer, PageCodecError, PageSpec, decode, encode
+from kvmesh.kvstore.host import HostTier
+from kvmesh.kvstore.tier import Tier
+
+logger = logging.getLogger(__name__)
+
+
+class TieredStore:
+    """Pages of one model and cache format (``spec``) across ``tiers``, first = fastest.
+
+    Thread-safe for concurrent callers (the engine thread and a loader thread): the tiers
+    are, and the store's own counters are under a lock.
+    """
+
+    def __init__(self, spec: PageSpec, tiers: Sequence[Tier]) -> None:
+        if not tiers:
+            raise ValueError("a TieredStore needs at least one tier")
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tier names must be unique (they label metrics), got {names}")
+        self.spec = spec
+        self.tiers = list(tiers)
+        first = self.tiers[0]
+        if isinstance(first, HostTier) and len(self.tiers) > 1 and first.on_evict is None:
+            first.on_evict = self.tiers[1].put  # write-back: host victims spill one tier down
+        self._lock = threading.Lock()
+        self._counts = {
+            t.name: {"hits": 0, "misses": 0, "corrupt": 0, "bytes": 0} for t in self.tiers
+        }
+
+    def put(self, items: Sequence[tuple[bytes, Buffer]]) -> None:
+        """Encode each ``(hash, payload)`` once and store it in the first tier."""
+        if items:
+            self.tiers[0].put([(h, encode(self.spec, payload)) for h, payload in items])
+
+    def lookup(self, hashes: Sequence[bytes]) -> list[str]:
+        """Tier names of the longest run of pages, from the first, that some tier holds.
+
+        ``len(result)`` is the number of leading pages that can be loaded; the run stops at
+        the first page no tier has. ``contains`` only: no LRU change, no validation.
+        """
+        where: list[str | None] = [None] * len(hashes)
+        pending = list(range(len(hashes)))
+        for tier in self.tiers:
+            if not pending:
+                break
+            found = tier.contains([hashes[i] for i in pending])
+            for i, hit in zip(pending, found):
+                if hit:
+                    where[i] = tier.name
+            pending = [i for i, hit in zip(pending, found) if not hit]
+        run: list[str] = []
+        for name in where:
+            if name is None:
+                break
+            run.append(name)
+        return run
+
+    def get(self, hashes: Sequence[bytes]) -> list[tuple[str, memoryview] | None]:
+        """For each hash, ``(tier name, validated payload)`` from the first tier that has a
+        valid object, else ``None``. A hit counts as a use in that tier (LRU). Objects that
+        fail validation are deleted from their tier and counted as ``corrupt``."""
+        out: list[tuple[str, memoryview] | None] = [None] * len(hashes)
+        pending = list(range(len(hashes)))
+        for tier in self.tiers:
+            if not pending:
+                break
+            objs = tier.get([hashes[i] for i in pending])
+            still: list[int] = []
+            bad: list[bytes] = []
+            n_bytes = 0
+            for i, obj in zip(pending, objs):
+                if obj is None:
+                    still.append(i)
+                    continue
+                try:
+                    payload = decode(self.spec, obj)
+                except PageCodecError as e:
+                    logger.warning(
+                        "%s tier: page %s is not valid for this reader (%s); deleted",
+                        tier.name,
+                        hashes[i].hex(),
+                        e,
+                    )
+                    bad.append(hashes[i])
+                    still.append(i)
+                    continue
+                out[i] = (tier.name, payload)
+                n_bytes += payload.nbytes
+            if bad:
+                tier.evict(bad)
+            with self._lock:
+                c = self._counts[tier.name]
+                c["hits"] += len(pending) - len(still)
+                c["misses"] += len(still)
+                c["corrupt"] += len(bad)
+                c["bytes"] += n_bytes
+            pending = still
+        return out
+
+    def evict(self, hashes: Sequence[bytes]) -> None:
+        """Drop these pages from every tier."""
+        for tier in self.tiers:
+            tier.evict(hashes)
+
+    def metrics(self) -> dict[str, dict[str, int]]:
+        """Per tier: ``hits``, ``misses`` (pages asked of it by ``get``), ``corrupt`` (objects
+        that failed the codec here, plus any the tier dropped itself), ``bytes`` (valid payload
+        bytes served), ``errors`` (the tier's own faults), and for a HostTier ``used_bytes``,
+        ``budget_bytes``, ``num_objects``."""
+        with self._lock:
+            out = {name: dict(c) for name, c in self._counts.items()}
+        for tier in self.tiers:
+            m = out[tier.name]
+            own = getattr(tier, "metrics", {})
+            m["errors"] = own.get("errors", 0)
+            m["corrupt"] += own.get("corrupt", 0)  # e.g. a peer's objects torn on the wire
+            if isinstance(tier, HostTier):
+                m["used_bytes"] = tier.used_bytes
+                m["budget_bytes"] = tier.budget_bytes
+                m["num_objects"] = tier.num_objects
+        return out
+
+    def close(self) -> None:
+        for tier in self.tiers:
+            tier.close()

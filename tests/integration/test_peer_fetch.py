@@ -1,0 +1,197 @@
+"""KVTransfer over real loopback sockets, served from a HostTier: pages bigger than a chunk
+round-trip byte-identical, Push validates before storing, and PeerTier turns a dead peer into
+misses (one warning per incident) instead of errors."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import zlib
+
+import grpc
+import pytest
+
+from kvmesh.kvstore.codec import PageSpec, encode
+from kvmesh.kvstore.host import HostTier
+from kvmesh.kvstore.peer import (
+    MAX_CHUNK_BYTES,
+    PageAssembler,
+    PeerTier,
+    TierPageSource,
+    page_chunks,
+)
+from kvmesh.protos.kvmesh.v1 import kv_transfer_pb2 as pb
+from kvmesh.protos.kvmesh.v1 import kv_transfer_pb2_grpc as pb_grpc
+from kvmesh.worker.server import WorkerServer
+
+# a page object bigger than two chunks, as an fp32 page of a larger model would be
+SPEC = PageSpec(
+    model_fp="ab12", cache_format="fp32", num_layers=4, num_kv_heads=8, head_size=128,
+    block_size=80, page_nbytes=4 * 2 * 80 * 8 * 128 * 4,
+)  # fmt: skip
+OTHER_MODEL = PageSpec(**{**SPEC.__dict__, "model_fp": "cd34"})
+
+
+def h(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def page(i: int, spec: PageSpec = SPEC) -> bytes:
+    """A valid page object whose payload depends on ``i``."""
+    return encode(spec, (i.to_bytes(4, "little") * (spec.page_nbytes // 4))[: spec.page_nbytes])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def host() -> HostTier:
+    return HostTier(64 << 20)
+
+
+@pytest.fixture(scope="module")
+def server(host):
+    srv = WorkerServer(page_source=TierPageSource(host, spec=SPEC), grace_s=1.0)
+    srv.start_in_thread()
+    yield srv
+    srv.stop_in_thread(grace=0)
+
+
+@pytest.fixture(scope="module")
+def stub(server):
+    with grpc.insecure_channel(server.address) as ch:
+        yield pb_grpc.KVTransferStub(ch)
+
+
+def test_page_objects_are_bigger_than_a_chunk():
+    assert len(page(1)) > 2 * MAX_CHUNK_BYTES
+
+
+def test_lookup_names_the_tier(host, stub):
+    host.put([(h(1), page(1)), (h(2), page(2))])
+    resp = stub.Lookup(pb.LookupRequest(hashes=[h(2), h(99), h(1)]))
+    assert list(resp.tiers) == ["host", "", "host"]
+
+
+def test_fetch_streams_chunks_of_at_most_1mib_and_reassembles_byte_identical(host, stub):
+    objs = {i: page(i) for i in (3, 4, 5)}
+    host.put([(h(i), o) for i, o in objs.items()])
+    asked = [h(3), h(98), h(4), h(5)]
+    chunks = list(stub.Fetch(pb.FetchRequest(hashes=asked)))
+    assert all(c.ByteSize() <= MAX_CHUNK_BYTES for c in chunks)
+    assert len(chunks) >= 3 * (len(objs[3]) // MAX_CHUNK_BYTES)
+    asm, got, missing = PageAssembler(), {}, []
+    for c in chunks:
+        for p in c.pieces:
+            assert p.hash == asked[p.index]
+            done = asm.add(p.index, p)
+            if done is not None:
+                (got.__setitem__(p.index, done[1]) if done[0] else missing.append(p.index))
+    assert missing == [1]
+    assert got == {0: objs[3], 2: objs[4], 3: objs[5]}
+    assert asm.corrupt == 0 and asm.incomplete() == []
+
+
+def test_small_pages_share_a_chunk():
+    pages = [(i, h(i), bytes([i]) * 1000) for i in range(50)]
+    chunks = list(page_chunks(pages))
+    assert len(chunks) == 1 and len(chunks[0].pieces) == 50
+
+
+def test_assembler_drops_a_corrupted_object():
+    obj = page(7)
+    pieces = [p for c in page_chunks([(0, h(7), obj)]) for p in c.pieces]
+    assert len(pieces) >= 3
+    pieces[1].data = bytes([pieces[1].data[0] ^ 0xFF]) + pieces[1].data[1:]
+    asm = PageAssembler()
+    results = [asm.add(0, p) for p in pieces]
+    assert results[-1] == (False, None) and all(r is None for r in results[:-1])
+    assert asm.corrupt == 1
+    # a piece out of order is dropped as well, at once
+    asm2 = PageAssembler()
+    pieces = [p for c in page_chunks([(0, h(7), obj)]) for p in c.pieces]
+    assert asm2.add(0, pieces[1]) == (False, None) and asm2.corrupt == 1
+
+
+def test_malformed_hash_is_invalid_argument(stub):
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Lookup(pb.LookupRequest(hashes=[b"short"]))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "16 bytes" in e.value.details()
+
+
+def test_push_stores_valid_pages_and_rejects_the_rest(host, server):
+    good = {i: page(i) for i in (10, 11)}
+    foreign = page(12, OTHER_MODEL)  # a valid object of another model
+    peer = PeerTier(server.address)
+    try:
+        accepted = peer.push([(h(10), good[10]), (h(12), foreign), (h(11), good[11])])
+    finally:
+        peer.close()
+    assert accepted == 2
+    assert host.get([h(10), h(11)]) == [good[10], good[11]]
+    assert host.contains([h(12)]) == [False]
+
+
+def test_push_with_a_torn_object_rejects_it(host, stub):
+    obj = page(13)
+    pieces = [p for c in page_chunks([(0, h(13), obj)]) for p in c.pieces]
+    torn = pb.PageChunk(pieces=pieces[:-1])  # the stream ends before the last piece
+    bad_crc = pb.PageChunk(
+        pieces=[pb.PagePiece(hash=h(14), found=True, total_size=3, data=b"abc", crc32=1)]
+    )
+    resp = stub.Push(iter([torn, bad_crc]))
+    assert (resp.accepted, resp.rejected) == (0, 2)
+    assert host.contains([h(13), h(14)]) == [False, False]
+
+
+def test_peer_tier_contains_and_get_against_a_live_peer(host, server):
+    objs = {i: page(i) for i in (20, 21)}
+    host.put([(h(i), o) for i, o in objs.items()])
+    peer = PeerTier(server.address)
+    try:
+        assert peer.contains([h(20), h(97), h(21)]) == [True, False, True]
+        assert peer.get([h(21), h(97), h(20)]) == [objs[21], None, objs[20]]
+        assert peer.metrics["hits"] == 2 and peer.metrics["misses"] == 1
+        assert peer.metrics["errors"] == 0
+        peer.put([(h(22), page(22))])  # no push unless asked for
+        peer.evict([h(20)])  # another worker's cache is not ours to evict
+        assert host.contains([h(22), h(20)]) == [False, True]
+    finally:
+        peer.close()
+
+
+def test_dead_peer_is_misses_with_one_warning(caplog, host, server):
+    host.put([(h(30), page(30))])
+    dead = f"127.0.0.1:{free_port()}"
+    peer = PeerTier([dead, server.address], timeout=2.0, cooldown_s=0.0)
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvmesh.kvstore.peer"):
+            for _ in range(3):
+                assert peer.contains([h(30), h(96)]) == [True, False]
+                assert peer.get([h(30)]) == [host.get([h(30)])[0]]
+        warnings = [r for r in caplog.records if dead in r.getMessage()]
+        assert len(warnings) == 1
+        assert peer.metrics["errors"] == 6
+    finally:
+        peer.close()
+    lone = PeerTier(dead, timeout=1.0)
+    try:
+        assert lone.contains([h(30)]) == [False]
+        assert lone.get([h(30), h(31)]) == [None, None]  # in cooldown: not even asked
+        assert lone.metrics["errors"] == 1 and lone.metrics["misses"] == 2
+        assert lone.push([(h(30), page(30))]) == 0
+    finally:
+        lone.close()
+
+
+def test_crc_is_of_the_whole_object(host, stub):
+    obj = page(40)
+    host.put([(h(40), obj)])
+    pieces = [p for c in stub.Fetch(pb.FetchRequest(hashes=[h(40)])) for p in c.pieces]
+    assert {p.crc32 for p in pieces} == {zlib.crc32(obj)}
+    assert {p.total_size for p in pieces} == {len(obj)}
+    assert [p.offset for p in pieces] == sorted(p.offset for p in pieces)
