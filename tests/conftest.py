@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
+import os
+
+# Triton kernels run on CPU only under the interpreter, and the variable must be set before
+# triton itself is imported anywhere in the session (tests/kernels/conftest.py checks).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import importlib.util  # noqa: E402
 from pathlib import Path
 
 import pytest

@@ -12,7 +12,11 @@ from dataclasses import dataclass
 import torch
 
 from kvmesh.kernels.page_format import PageLayout, resolve_format
+from kvmesh.kvstore.codec import PageSpec
 from kvmesh.kvstore.events import EventLog
+from kvmesh.kvstore.host import HostTier
+from kvmesh.kvstore.store import TieredStore
+from kvmesh.kvstore.tier import Tier
 from kvmesh.worker import envs
 from kvmesh.worker.attention import LayerCache, default_backend_name, get_backend
 from kvmesh.worker.config import CacheConfig, SchedulerConfig, parse_size, resolve_dtype
@@ -26,6 +30,7 @@ from kvmesh.worker.models.loader import (
     model_fingerprint,
     resolve_model,
 )
+from kvmesh.worker.offload import KVOffloader
 from kvmesh.worker.outputs import RequestOutput
 from kvmesh.worker.request import Request, RequestStatus
 from kvmesh.worker.sampler import sample
@@ -76,6 +81,10 @@ class LLMEngine:
         device: str | None = None,
         attention_backend: str | None = None,
         engine_id: str | None = None,
+        host_cache_memory: str | int | None = None,
+        redis_url: str | None = None,
+        redis_ttl_s: float | None = None,
+        extra_tiers: Sequence[Tier] = (),
     ):
         if envs.num_threads():
             torch.set_num_threads(envs.num_threads())
@@ -164,6 +173,12 @@ class LLMEngine:
         )
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        self.store, self.offloader = self._make_store(
+            host_cache_memory, redis_url, redis_ttl_s, extra_tiers
+        )
+        if self.offloader is not None:
+            self.kv.pool.on_evict = self.offloader.on_evict
+            self.scheduler.park = self._park
         self.driver = None  # the AsyncEngine whose thread steps this engine, if any
         logger.info(
             "engine %s: model %s (%s, %d layers) on %s, %d pages of %d tokens (%s, %.0f MiB), "
@@ -172,6 +187,79 @@ class LLMEngine:
             n_pages, bs, self.cache_format, self.kv_buffer.numel() / 2**20,
             self.scheduler_config.max_model_len, time.monotonic() - t0,
         )  # fmt: skip
+
+    def _make_store(self, host_cache_memory, redis_url, redis_ttl_s, extra_tiers):
+        tiers: list[Tier] = []
+        if host_cache_memory is not None:
+            tiers.append(HostTier(parse_size(host_cache_memory)))
+        if redis_url:
+            from kvmesh.kvstore.redis_tier import RedisTier  # redis-py only when used
+
+            tiers.append(
+                RedisTier(
+                    redis_url, model_fp=self.model_fp, cache_format=self.cache_format,
+                    ttl_s=redis_ttl_s,
+                )
+            )  # fmt: skip
+        tiers += list(extra_tiers)
+        if not tiers:
+            return None, None
+        lay = self.layout
+        spec = PageSpec(
+            self.model_fp, self.cache_format, lay.num_layers, lay.num_kv_heads, lay.head_size,
+            lay.block_size, lay.page_nbytes,
+        )  # fmt: skip
+        store = TieredStore(spec, tiers)
+        logger.info("tiered store: %s", " -> ".join(["device"] + [t.name for t in tiers]))
+        return store, KVOffloader(store, lay.page_nbytes)
+
+    def _park(self, req: Request, num_device_pages: int) -> bool:
+        """Scheduler hook: take ``req`` aside to load the rest of its prefix from the store,
+        once per request. The last prompt token is always computed, so at most
+        ``(num_tokens - 1) // block_size`` pages can be served."""
+        if req.store_checked:
+            return False
+        req.store_checked = True
+        max_pages = (req.num_tokens - 1) // self.cache_config.block_size
+        if num_device_pages >= max_pages:
+            return False
+        self.offloader.start_load(
+            req, num_device_pages, req.block_hashes[num_device_pages:max_pages]
+        )
+        return True
+
+    def _admit_loaded(self) -> None:
+        """Write finished loads into free device pages as cached pages and requeue their
+        requests at the head of the queue."""
+        pool, bs = self.kv.pool, self.cache_config.block_size
+        for res in self.offloader.finished_loads():
+            req = res.request
+            if self.requests.get(req.request_id) is not req:
+                continue  # aborted while loading
+            hashes = req.block_hashes[res.first_page : res.first_page + len(res.tiers)]
+            # pages the device gained meanwhile need no copy; keep the others in order
+            todo = [i for i, h in enumerate(hashes) if pool.lookup(h) is None]
+            # hold the request's device prefix so taking pages cannot evict it
+            prefix, _ = self.kv.get_computed_pages(req)
+            prefix = prefix[: res.first_page]
+            pool.touch(prefix)
+            todo = todo[: pool.num_free]
+            if todo:
+                pages = pool.take(len(todo))
+                self.offloader.flush_spills(self.kv_buffer)  # copy victims out first
+                ids = torch.tensor([p.page_id for p in pages], dtype=torch.int64)
+                rows = torch.from_numpy(res.payloads[todo]).to(self.device)
+                self.kv_buffer.index_copy_(0, ids.to(self.device), rows)
+                for page, i in zip(pages, todo):
+                    n = res.first_page + i
+                    parent = req.block_hashes[n - 1] if n else None
+                    pool.cache_page(
+                        page, hashes[i], parent, req.all_token_ids[n * bs : (n + 1) * bs]
+                    )
+                    req.loaded_from[hashes[i]] = res.tiers[i]
+                pool.release(reversed(pages))
+            pool.release(reversed(prefix))
+            self.scheduler.waiting.appendleft(req)
 
     @property
     def max_model_len(self) -> int:
@@ -251,17 +339,26 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
+        if self.offloader is not None:
+            self.offloader.cancel(request_id)
         self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
         return self._output(req, [], "")
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        loading = self.offloader is not None and self.offloader.num_loading > 0
+        return self.scheduler.has_unfinished() or loading
 
     # ------------------------------------------------------------ the step
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, sample, and report every request that changed."""
+        if self.offloader is not None:
+            self._admit_loaded()
         sched = self.scheduler.schedule()
+        if self.offloader is not None:
+            self.offloader.flush_spills(self.kv_buffer)  # before the step overwrites slots
+            if not sched.scheduled and self.offloader.num_loading:
+                self.offloader.wait_for_load(0.05)  # nothing else to run: don't spin
         if not sched.scheduled:
             return []
         sampled, logits = self.runner.execute(sched.scheduled)
@@ -323,6 +420,13 @@ class LLMEngine:
             return RequestStatus.FINISHED_LENGTH
         return None
 
+    def _by_tier(self, req: Request) -> dict[str, int]:
+        out = {"device": 0}
+        if self.store is not None:
+            out.update((t.name, 0) for t in self.store.tiers)
+        out.update(req.cached_by_tier)
+        return out
+
     def _eos_ids(self) -> set[int]:
         ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -344,7 +448,7 @@ class LLMEngine:
             finished=finished,
             finish_reason=req.status.value if finished else None,
             num_cached_tokens=cached,
-            cached_tokens_by_tier={"device": cached},
+            cached_tokens_by_tier=self._by_tier(req),
             logprobs=list(req.logprobs) if req.params.logprobs else None,
             stop_reason=req.stop_reason,
             ttft_s=(req.first_token_time - req.arrival_time) if req.first_token_time else None,
@@ -360,9 +464,10 @@ class LLMEngine:
             for r in s.running
             if r.num_computed_tokens < r.num_prompt_tokens
         )
+        loading = self.offloader.num_loading if self.offloader is not None else 0
         return EngineStats(
             num_requests_running=len(s.running),
-            num_requests_waiting=len(s.waiting),
+            num_requests_waiting=len(s.waiting) + loading,
             kv_cache_usage_perc=self.kv.usage(),
             num_pages=self.kv.pool.num_pages,
             num_free_pages=self.kv.num_free_pages,
@@ -378,7 +483,28 @@ class LLMEngine:
         )
 
     def reset_prefix_cache(self) -> int:
-        return self.kv.pool.reset_prefix_cache()
+        """Drop every cached device page no request holds, the way eviction does: with a
+        tiered store they spill down to host (and on to Redis). Returns how many."""
+        n = self.kv.pool.reset_prefix_cache()
+        if self.offloader is not None:
+            self.offloader.flush_spills(self.kv_buffer)
+            self.offloader.drain()  # an admin call: return once the pages are in the store
+        return n
+
+    def store_metrics(self) -> dict:
+        """Per-tier store counters plus the offloader's spill/load counters ({} without a
+        store)."""
+        if self.offloader is None:
+            return {}
+        return {"tiers": self.store.metrics(), "offload": dict(self.offloader.metrics)}
+
+    def close(self) -> None:
+        """Finish pending spills and release the store's threads and connections."""
+        if self.offloader is not None:
+            self.kv.pool.on_evict = None
+            self.scheduler.park = None
+            self.offloader.close()
+            self.offloader = None
 
 
 class QueueFullError(RuntimeError):
@@ -437,6 +563,9 @@ class LLM:
 
     def reset_prefix_cache(self) -> int:
         return self.engine.reset_prefix_cache()
+
+    def close(self) -> None:
+        self.engine.close()
 
 
 __all__ = ["LLM", "LLMEngine", "QueueFullError", "EngineStats"]

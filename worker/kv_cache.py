@@ -9,7 +9,7 @@ allocation takes from the head, evicting the least recently freed page first.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from kvmesh.kvstore.events import EventLog
 from kvmesh.worker.request import Request
@@ -85,6 +85,9 @@ class PagePool:
         self.cached: dict[bytes, Page] = {}
         self.events = events
         self.evictions = 0
+        # called with a cached page about to lose its hash (its bytes still intact): the
+        # engine's spill hook
+        self.on_evict: Callable[[Page], None] | None = None
 
     @property
     def num_pages(self) -> int:
@@ -116,6 +119,8 @@ class PagePool:
     def _evict(self, page: Page) -> None:
         h = page.block_hash
         if self.cached.get(h) is page:
+            if self.on_evict is not None:
+                self.on_evict(page)
             del self.cached[h]
             self.events.removed(h)
         page.block_hash = None

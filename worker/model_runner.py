@@ -28,9 +28,12 @@ class ModelRunner:
         self.block_size = kv.block_size
         self.tokens_computed = 0  # every token the model ran, for tests and stats
 
-    def execute(self, scheduled: list[tuple[Request, int]]) -> tuple[list[Request], torch.Tensor]:
+    def execute(
+        self, scheduled: list[tuple[Request, int]], all_logits: bool = False
+    ) -> tuple[list[Request], torch.Tensor]:
         """Run one step. Returns the requests that reached the end of their known tokens (they
-        get a new token sampled) and their logits, (len(those), vocab) float32."""
+        get a new token sampled) and their logits, (len(those), vocab) float32. With
+        ``all_logits`` (scoring), the logits of every token of the step instead, (T, vocab)."""
         bs = self.block_size
         # single-token requests first: they form one batched attention group
         order = sorted(scheduled, key=lambda rn: rn[1] != 1)
@@ -89,7 +92,9 @@ class ModelRunner:
                 torch.tensor(pos, dtype=torch.int64, device=self.device),
                 self.caches,
                 self.backend,
-                torch.tensor(logit_idx, dtype=torch.int64, device=self.device),
+                torch.arange(len(ids), device=self.device)
+                if all_logits
+                else torch.tensor(logit_idx, dtype=torch.int64, device=self.device),
             )
         self.tokens_computed += len(ids)
         return sampled, logits

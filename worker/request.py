@@ -52,6 +52,9 @@ class Request:
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
         self.detokenizer = None  # set by the engine when it has a tokenizer
+        self.cached_by_tier: dict[str, int] = {}  # prompt tokens served per tier
+        self.loaded_from: dict[bytes, str] = {}  # page hash -> tier it was promoted from
+        self.store_checked = False  # the tiered store was asked for this prefix
         self.text = ""
 
     @property

@@ -11,6 +11,7 @@ the front of the queue, to be recomputed later.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvmesh.worker.config import SchedulerConfig
@@ -35,6 +36,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # the engine's tiered-store hook: called with a waiting request and its device hits;
+        # returns True when it took the request away to load more of its prefix
+        self.park: Callable[[Request, int], bool] | None = None
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -74,6 +78,9 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             computed, num_hit = self.kv.get_computed_pages(req)
+            if self.park is not None and self.park(req, len(computed)):
+                self.waiting.popleft()
+                continue
             num_new = min(req.num_tokens - num_hit, budget)
             if self.kv.allocate_slots(req, num_new, computed) is None:
                 break
@@ -81,6 +88,9 @@ class Scheduler:
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
+                for p in computed:  # pages promoted from a lower tier count for that tier
+                    tier = req.loaded_from.get(p.block_hash, "device")
+                    req.cached_by_tier[tier] = req.cached_by_tier.get(tier, 0) + req.block_size
                 self.kv.prefix_queries += req.num_tokens
                 self.kv.prefix_hits += num_hit
             req.status = RequestStatus.RUNNING

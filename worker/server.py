@@ -134,6 +134,10 @@ class InferenceServicer(ipb_grpc.InferenceServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         rid = request.request_id or uuid.uuid4().hex
+        if rid in self.active:  # the engine checks too; this keeps `active` exact for Abort
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"request id {rid!r} is already in use"
+            )
         stream = self.aeng.generate(prompt, params, rid)
         self.life.enter()
         self.active.add(rid)
@@ -344,6 +348,8 @@ class WorkerServer:
         self._server: grpc.aio.Server | None = None
         self._life = _Lifecycle()
         self._stopped: asyncio.Event | None = None
+        self._stop_task: asyncio.Future | None = None
+        self._drain_deadline = float("inf")
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.inference: InferenceServicer | None = None
@@ -394,31 +400,42 @@ class WorkerServer:
         return port
 
     async def stop(self, grace: float | None = None) -> None:
-        """Drain and stop: health turns NOT_SERVING, new RPCs are refused (UNAVAILABLE),
+        """Drain and stop: health turns NOT_SERVING, new calls are refused with UNAVAILABLE,
         in-flight streams get up to ``grace`` seconds (default ``grace_s``) to finish, then
-        are cancelled (which aborts their requests). Idempotent."""
+        are cancelled (which aborts their requests and frees their pages).
+
+        Idempotent; a later call with a shorter grace (a second SIGTERM) ends the drain
+        sooner. Returns when the server has stopped."""
         if self._server is None:
             return
+        loop = asyncio.get_running_loop()
         grace = self.grace_s if grace is None else grace
-        if not self._life.draining:
-            self._life.draining = True
-            await self.health.enter_graceful_shutdown()
-            logger.info(
-                "worker %s draining: %d in-flight RPCs, grace %.1fs",
-                self.worker_id, len(self._life.inflight), grace,
-            )  # fmt: skip
-        # grpc stops accepting at once; our own streams decide when the grace may end early
-        # (an open health Watch must not hold shutdown for the whole grace)
-        stopping = asyncio.ensure_future(self._server.stop(grace))
+        self._drain_deadline = min(self._drain_deadline, loop.time() + grace)
+        if self._stop_task is None:
+            self._stop_task = asyncio.ensure_future(self._drain_and_stop())
+        await asyncio.shield(self._stop_task)
+
+    async def _drain_and_stop(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._life.draining = True
+        await self.health.enter_graceful_shutdown()
+        logger.info(
+            "worker %s draining: %d in-flight calls, grace %.1fs",
+            self.worker_id, len(self._life.inflight), self._drain_deadline - loop.time(),
+        )  # fmt: skip
+        # The servicers refuse new work while the in-flight streams finish; our own streams
+        # decide when the grace ends early (an open health Watch must not hold it). Then one
+        # grpc stop cancels what is left: two overlapping grpc.aio stop() calls can crash
+        # grpcio 1.85 while it cancels calls, so there is never a second one.
         pending = [t for t in self._life.inflight if not t.done()]
-        if pending and grace > 0:
-            await asyncio.wait(pending, timeout=grace)
+        while pending and (left := self._drain_deadline - loop.time()) > 0:
+            await asyncio.wait(pending, timeout=min(left, 0.1))
+            pending = [t for t in pending if not t.done()]
         await self._server.stop(None)
-        await stopping
         if self.own_engine and self.engine is not None:
             await asyncio.to_thread(self.engine.shutdown)
-        if self._stopped is not None:
-            self._stopped.set()
+        self._stopped.set()
+        logger.info("worker %s stopped", self.worker_id)
 
     async def wait_for_termination(self) -> None:
         if self._stopped is not None:

@@ -1,0 +1,100 @@
+"""KV cache formats side by side: bytes per token, bits per value, round-trip error, codec cost.
+
+For one model geometry (SmolLM2-135M by default), every cache format's page layout
+(``kernels.page_format``), with fp16 as the baseline measured in the same run:
+
+* ``page_nbytes``, ``bytes_per_token``, ``bits_per_value`` (scales and alignment included)
+  and ``tokens_per_gib`` / ``capacity_vs_fp16``;
+* for quantized formats, the relative RMS round-trip error of ``quant.quantize_pages`` on
+  synthetic K/V (Gaussian, keys with per-channel offsets and scales like real keys): a sanity
+  number, not a quality measure (perplexity through the engine is that);
+* the torch quantizer's and dequantizer's time per page and layer on this machine (the
+  CPU engine path), against copying one fp16 page-layer.
+
+Prints one JSON object on stdout.
+
+    python bench/kv_formats.py [--layers 30 --kv-heads 3 --head-size 64 --block-size 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from kvmesh.kernels.page_format import CACHE_FORMATS, QUANT_FORMATS, PageLayout
+from kvmesh.kernels.quant import dequantize_pages, quantize_pages
+
+
+def synthetic_kv(n: int, bs: int, H: int, D: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(n, bs, H, D, generator=g) * (0.5 + 2 * torch.rand(H, D, generator=g))
+    k = k + 2 * torch.randn(H, D, generator=g)  # (n, bs, H, D): outlier channels in keys
+    v = torch.randn(n, bs, H, D, generator=g)
+    return k, v
+
+
+def best_time(fn, repeat: int = 5) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--kv-heads", type=int, default=3)
+    ap.add_argument("--head-size", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--pages", type=int, default=256, help="pages per timing/error batch")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: fair on a busy box)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    L, H, D, bs, n = args.layers, args.kv_heads, args.head_size, args.block_size, args.pages
+
+    k, v = synthetic_kv(n, bs, H, D)
+    fp16_page = torch.empty(n, bs, H, D, dtype=torch.float16)
+    src16 = torch.randn(n, bs, H, D).half()
+    copy_s = best_time(lambda: fp16_page.copy_(src16)) / n
+
+    base = PageLayout("fp16", L, H, D, bs)
+    out: dict = {
+        "geometry": {"layers": L, "kv_heads": H, "head_size": D, "block_size": bs},
+        "baseline": "fp16",
+        "threads": args.threads,
+        "fp16_copy_us_per_page_layer": copy_s * 1e6,
+        "formats": {},
+    }
+    for fmt in CACHE_FORMATS:
+        if fmt == "auto":
+            continue
+        lay = PageLayout(fmt, L, H, D, bs)
+        row = {
+            "page_nbytes": lay.page_nbytes,
+            "bytes_per_token": lay.bytes_per_token,
+            "bits_per_value": lay.bits_per_value,
+            "tokens_per_gib": int(2**30 / lay.bytes_per_token),
+            "capacity_vs_fp16": base.page_nbytes / lay.page_nbytes,
+        }
+        if fmt in QUANT_FORMATS:
+            comps = quantize_pages(fmt, k, v)
+            k2, v2 = dequantize_pages(fmt, comps)
+            row["k_rel_rms_err"] = float((k - k2).norm() / k.norm())
+            row["v_rel_rms_err"] = float((v - v2).norm() / v.norm())
+            quantize_pages(fmt, k, v)  # warm-up
+            q_s = best_time(lambda fmt=fmt: quantize_pages(fmt, k, v)) / n
+            d_s = best_time(lambda fmt=fmt, c=comps: dequantize_pages(fmt, c)) / n
+            row["quantize_us_per_page_layer"] = q_s * 1e6
+            row["dequantize_us_per_page_layer"] = d_s * 1e6
+            row["dequantize_vs_fp16_copy"] = d_s / copy_s
+        out["formats"][fmt] = row
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

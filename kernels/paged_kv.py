@@ -1,0 +1,235 @@
+"""Reading pages of the KV cache in any format: the torch gather and the Triton tile loader.
+
+The attention kernels (decode_attention, prefill_attention) and their torch twins both read
+the cache through this module, so a format's read side lives in one place.
+
+A layer's cache is the dict of typed views from ``PageLayout.views``: ``name -> (num_pages,
+*shape)``, strided (page stride = page_nbytes / itemsize). Quantized formats add the residual
+``(R, bs, Hkv, D)``: the full-precision tail pages of running requests. For a sequence with
+``ctx`` keys, pages ``j < ctx // bs`` are read from the pool; the partial page ``ctx // bs``
+(when ``ctx % bs != 0``) is read from the pool for float formats and from the sequence's
+residual slot for quantized ones.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvmesh.kernels.page_format import CACHE_FORMATS, FLOAT_FORMATS, QUANT_FORMATS
+from kvmesh.kernels.quant import (
+    dequantize_pages,
+    int4_v_group,
+    quant_components,
+    unpack_int4_tl,
+)
+
+# the format as a kernel constexpr
+FMT_FLOAT = tl.constexpr(0)
+FMT_FP8 = tl.constexpr(1)
+FMT_INT8 = tl.constexpr(2)
+FMT_INT4 = tl.constexpr(3)
+NO_WINDOW = 1 << 30  # a window no sequence reaches: the kernels take an int, never None
+_FMT_CODES = {"fp32": 0, "fp16": 0, "bf16": 0, "fp8": 1, "int8": 2, "int4": 3}
+
+
+def fmt_code(fmt: str) -> int:
+    if fmt not in _FMT_CODES:
+        raise ValueError(f"unknown cache format {fmt!r}; accepted: {', '.join(_FMT_CODES)}")
+    return _FMT_CODES[fmt]
+
+
+def check_cache(
+    fmt: str,
+    cache: dict[str, torch.Tensor],
+    residual_k: torch.Tensor | None,
+    residual_v: torch.Tensor | None,
+) -> tuple[int, int, int]:
+    """Validate one layer's views (and residual) against the format; -> (bs, Hkv, D)."""
+    if fmt not in CACHE_FORMATS or fmt == "auto":
+        raise ValueError(f"need a concrete cache format, got {fmt!r}")
+    if "k" not in cache:
+        raise ValueError(f"cache views lack 'k': got {sorted(cache)}")
+    if fmt in FLOAT_FORMATS:
+        num_pages, bs, H, D = cache["k"].shape
+        spec = [("k", FLOAT_FORMATS[fmt], (bs, H, D)), ("v", FLOAT_FORMATS[fmt], (bs, H, D))]
+    else:
+        num_pages, bs, H = cache["k"].shape[:3]
+        D = cache["k"].shape[3] * (2 if fmt == "int4" else 1)  # int4: two values a byte
+        spec = [(c.name, c.dtype, c.shape) for c in quant_components(fmt, bs, H, D)]
+    if sorted(cache) != sorted(n for n, _, _ in spec):
+        raise ValueError(f"{fmt} cache needs views {[n for n, _, _ in spec]}, got {sorted(cache)}")
+    for name, dtype, shape in spec:
+        t = cache[name]
+        if t.dtype != dtype or tuple(t.shape) != (num_pages, *shape):
+            raise ValueError(
+                f"{fmt} view {name!r} must be {dtype} (num_pages={num_pages}, *{shape}), "
+                f"got {t.dtype} {tuple(t.shape)}"
+            )
+        if t.stride(-1) != 1:
+            raise ValueError(f"view {name!r} needs a unit innermost stride, got {t.stride()}")
+    if bs & (bs - 1):
+        raise ValueError(f"block_size must be a power of two for the kernels, got {bs}")
+    if fmt in QUANT_FORMATS:
+        for name, r in (("residual_k", residual_k), ("residual_v", residual_v)):
+            if r is None or r.dim() != 4 or tuple(r.shape[1:]) != (bs, H, D):
+                got = None if r is None else tuple(r.shape)
+                raise ValueError(f"{fmt} needs {name} (R, {bs}, {H}, {D}), got {got}")
+            if not r.is_floating_point() or r.stride(-1) != 1:
+                raise ValueError(f"{name} must be float with unit innermost stride")
+    return bs, H, D
+
+
+def check_index(
+    t: torch.Tensor | None,
+    name: str,
+    shape: tuple[int | None, ...],
+    dtypes: tuple[torch.dtype, ...] = (torch.int64,),
+) -> None:
+    """Raise naming ``name`` unless t is an index tensor of ``shape`` (None: any size)."""
+    if t is None or t.dtype not in dtypes or t.dim() != len(shape):
+        got = None if t is None else f"{t.dtype} {tuple(t.shape)}"
+        names = "/".join(str(dt).removeprefix("torch.") for dt in dtypes)
+        raise ValueError(f"{name} must be {names} of shape {shape}, got {got}")
+    if any(want is not None and want != got for want, got in zip(shape, t.shape)):
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    if t.numel() > 1 and t.stride(-1) != 1:  # the kernels step through the last axis by 1
+        raise ValueError(f"{name} needs a unit innermost stride, got {t.stride()}")
+
+
+def check_tile_block_size(bs: int) -> None:
+    """The attention kernels' K/V tile is one page: tl.dot on a GPU needs N = bs >= 16."""
+    if bs < 16:
+        raise ValueError(f"the Triton attention kernels need block_size >= 16, got {bs}")
+
+
+def kv_args(
+    fmt: str, cache: dict[str, torch.Tensor], which: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, ...], tuple[int, ...], int]:
+    """Kernel arguments for K or V (``which`` = "k" or "v"): data, scale and zero tensors,
+    data strides (page, token, head), scale strides (page, token, head, dim) and the scale's
+    divisor of the dim index. Absent dims get stride 0, absent tensors the data tensor."""
+    data = cache[which]
+    ds = (data.stride(0), data.stride(1), data.stride(2))
+    if fmt in FLOAT_FORMATS:
+        return data, data, data, ds, (0, 0, 0, 0), 1
+    scale = cache[f"{which}_scale"]
+    if fmt in ("fp8", "int8"):  # (P, bs, H): one scale per (token, head)
+        ss = (scale.stride(0), scale.stride(1), scale.stride(2), 0)
+        return data, scale, scale, ds, ss, 1
+    zero = cache[f"{which}_zero"]
+    assert zero.stride() == scale.stride(), "scale and zero views must share strides"
+    if which == "k":  # (P, H, D): per channel, shared by the page's tokens
+        ss = (scale.stride(0), 0, scale.stride(1), scale.stride(2))
+        return data, scale, zero, ds, ss, 1
+    D = data.shape[3] * 2  # (P, bs, H, G): per token, groups along D
+    ss = (scale.stride(0), scale.stride(1), scale.stride(2), scale.stride(3))
+    return data, scale, zero, ds, ss, int4_v_group(D)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch
+
+
+def read_pages_torch(
+    fmt: str, cache: dict[str, torch.Tensor], pages: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of ``pages`` (n,) int64 as (n, bs, Hkv, D) fp32."""
+    if fmt in FLOAT_FORMATS:
+        return cache["k"].index_select(0, pages).float(), cache["v"].index_select(0, pages).float()
+    comps = {name: t.index_select(0, pages) for name, t in cache.items()}
+    return dequantize_pages(fmt, comps, torch.float32)
+
+
+def gather_kv_torch(
+    *,
+    fmt: str,
+    cache: dict[str, torch.Tensor],
+    residual_k: torch.Tensor | None,
+    residual_v: torch.Tensor | None,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    residual_slots: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense K and V of each sequence: block_tables (B, P) -> (B, P * bs, Hkv, D) fp32.
+
+    Positions ``>= context_lens`` hold whatever their page holds (the null page's zeros for
+    padding): callers mask them."""
+    B, P = block_tables.shape
+    k, v = read_pages_torch(fmt, cache, block_tables.reshape(-1))  # (B * P, bs, Hkv, D)
+    _, bs, H, D = k.shape
+    k, v = k.view(B, P, bs, H, D), v.view(B, P, bs, H, D)
+    if fmt in QUANT_FORMATS and residual_slots is not None:
+        tail = (context_lens % bs != 0) & (residual_slots >= 0)  # (B,)
+        rows = tail.nonzero().squeeze(1)
+        if rows.numel():
+            page = context_lens[rows] // bs
+            slots = residual_slots[rows]
+            k[rows, page] = residual_k[slots].float()
+            v[rows, page] = residual_v[slots].float()
+    return k.view(B, P * bs, H, D), v.view(B, P * bs, H, D)
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton
+
+
+@triton.jit
+def load_kv_tile(
+    data_ptr,
+    scale_ptr,
+    zero_ptr,
+    page,  # int64 scalar: a pool page id, or a residual slot when FMT is FMT_FLOAT
+    head,
+    n,  # int tile of token offsets in the page, broadcastable against d
+    d,  # int tile of head-dim indices
+    mask,
+    s_dp,
+    s_dt,
+    s_dh,  # data strides: page, token, head (the dim stride is 1)
+    s_sp,
+    s_st,
+    s_sh,
+    s_sd,  # scale/zero strides: page, token, head, dim group (0 where the dim is absent)
+    FMT: tl.constexpr,
+    SCALE_DIV: tl.constexpr,  # dim index -> scale index divisor (int4 V: the group size)
+):
+    """One page's K or V values at (n, d), dequantized to fp32; the shape of ``n + d``.
+
+    Passing n as a column and d as a row gives a (tokens, D) tile; the other way round gives
+    the transposed (D, tokens) tile K^T that ``q @ K^T`` wants, without a transpose."""
+    base = page.to(tl.int64) * s_dp + head.to(tl.int64) * s_dh
+    if FMT == FMT_INT4:
+        raw = tl.load(data_ptr + base + n * s_dt + d // 2, mask=mask, other=0)
+        q = unpack_int4_tl(raw, d).to(tl.float32)
+        soff = page.to(tl.int64) * s_sp + head.to(tl.int64) * s_sh + n * s_st
+        soff += (d // SCALE_DIV) * s_sd
+        s = tl.load(scale_ptr + soff, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(zero_ptr + soff, mask=mask, other=0.0).to(tl.float32)
+        x = q * s + z
+    else:
+        # no `other=`: it cannot be cast to fp8 everywhere; masked lanes are zeroed instead
+        x = tl.where(mask, tl.load(data_ptr + base + n * s_dt + d, mask=mask).to(tl.float32), 0.0)
+        if FMT != FMT_FLOAT:
+            soff = page.to(tl.int64) * s_sp + head.to(tl.int64) * s_sh + n * s_st + d * s_sd
+            x = x * tl.load(scale_ptr + soff, mask=mask, other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
+def online_softmax_step(q, kT, v, valid, m_i, l_i, acc, qk_scale):
+    """One K/V tile of flash attention, in base 2.
+
+    q (M, Dp) in the compute dtype; kT (Dp, N) and v (N, Dp) fp32 tiles; valid (M, N);
+    m_i, l_i (M,) running max (log2 units) and normaliser; acc (M, Dp) fp32.
+    ``qk_scale`` = softmax scale * log2(e). Rows with no valid key so far keep m_i = -inf."""
+    qk = tl.dot(q, kT.to(q.dtype)) * qk_scale  # (M, N)
+    qk = tl.where(valid, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no NaN from (-inf) - (-inf)
+    p = tl.exp2(qk - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+    return m_new, l_i, acc

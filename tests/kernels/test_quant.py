@@ -1,0 +1,144 @@
+"""Quantized page formats: round-trip error bounds, bit-exact nibbles, in-pool byte identity."""
+
+import pytest
+import torch
+
+from kvmesh.kernels.page_format import PageLayout
+from kvmesh.kernels.quant import (
+    MIN_SCALE,
+    dequantize_pages,
+    pack_int4,
+    quant_components,
+    quantize_pages,
+    unpack_int4,
+)
+
+FORMATS = ["fp8", "int8", "int4"]
+
+
+def _pages(n=5, bs=16, H=3, D=64, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    # per-channel offsets and scales, like real keys (outlier channels are why K is per channel)
+    k = torch.randn(n, bs, H, D, generator=g) * torch.rand(H, D, generator=g) * 4
+    k = k + torch.randn(H, D, generator=g) * 3
+    v = torch.randn(n, bs, H, D, generator=g)
+    return k.to(dtype), v.to(dtype)
+
+
+def test_pack_unpack_is_bit_exact_and_documented_order():
+    q = torch.arange(256, dtype=torch.int32).remainder(16).to(torch.uint8).view(4, 64)
+    q = q[:, torch.randperm(64, generator=torch.Generator().manual_seed(1))]
+    p = pack_int4(q)
+    assert p.shape == (4, 32)
+    assert torch.equal(unpack_int4(p), q)
+    # element 2j is the low nibble, element 2j+1 the high nibble
+    assert pack_int4(torch.tensor([3, 10], dtype=torch.uint8)).item() == 3 | (10 << 4)
+    every_byte = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    assert torch.equal(pack_int4(unpack_int4(every_byte)), every_byte)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_components_match_quant_components(fmt, dtype):
+    n, bs, H, D = 3, 16, 2, 64
+    comps = quantize_pages(fmt, *_pages(n, bs, H, D, dtype))
+    spec = quant_components(fmt, bs, H, D)
+    assert list(comps) == [c.name for c in spec]
+    for c in spec:
+        assert comps[c.name].shape == (n, *c.shape), c.name
+        assert comps[c.name].dtype == c.dtype, c.name
+    assert all(c.name[0] in "kv" for c in spec)
+
+
+def test_int8_round_trip_within_half_a_step():
+    k, v = _pages()
+    comps = quantize_pages("int8", k, v)
+    k2, v2 = dequantize_pages("int8", comps, torch.float32)
+    for x, x2, s in ((k, k2, comps["k_scale"]), (v, v2, comps["v_scale"])):
+        bound = s.float().unsqueeze(-1) * 0.5 * (1 + 1e-5)
+        assert ((x - x2).abs() <= bound).all()
+        assert (s.float() >= MIN_SCALE).all()
+
+
+def test_fp8_round_trip_within_e4m3_precision():
+    k, v = _pages()
+    comps = quantize_pages("fp8", k, v)
+    k2, v2 = dequantize_pages("fp8", comps, torch.float32)
+    for x, x2, s in ((k, k2, comps["k_scale"]), (v, v2, comps["v_scale"])):
+        s = s.float().unsqueeze(-1)
+        # 3 mantissa bits: half an ulp is <= 2^-4 relative; subnormal steps are 2^-9 * scale
+        bound = 2**-4 * x.abs() + 2**-10 * s + 1e-6
+        assert ((x - x2).abs() <= bound).all()
+        assert (x2.abs() <= 448 * s + 1e-6).all()
+
+
+def test_int4_round_trip_within_half_a_step():
+    k, v = _pages()
+    comps = quantize_pages("int4", k, v)
+    k2, v2 = dequantize_pages("int4", comps, torch.float32)
+    ks, kz = comps["k_scale"].float().unsqueeze(1), comps["k_zero"].float().unsqueeze(1)
+    kbound = 0.51 * ks + 2**-11 * kz.abs() + 1e-6  # (n, 1, H, D) per channel
+    assert ((k - k2).abs() <= kbound).all()
+    n, bs, H, D = v.shape
+    vs = comps["v_scale"].float().repeat_interleave(32, -1)  # (n, bs, H, D)
+    vz = comps["v_zero"].float().repeat_interleave(32, -1)
+    assert ((v - v2).abs() <= 0.51 * vs + 2**-11 * vz.abs() + 1e-6).all()
+    # keys are grouped per channel over the page's tokens: one scale per (head, dim)
+    assert comps["k_scale"].shape == (n, H, D)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_zero_page_stays_zero(fmt):
+    z = torch.zeros(1, 16, 2, 64)
+    k2, v2 = dequantize_pages(fmt, quantize_pages(fmt, z, z), torch.float32)
+    assert torch.equal(k2, z) and torch.equal(v2, z)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_constant_groups_are_exact_enough(fmt):
+    x = torch.full((1, 16, 2, 64), -1.5)
+    k2, v2 = dequantize_pages(fmt, quantize_pages(fmt, x, x), torch.float32)
+    assert torch.allclose(k2, x, atol=1e-3) and torch.allclose(v2, x, atol=1e-3)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_components_stored_in_pool_read_back_byte_identical(fmt):
+    n_pages, bs, H, D, L = 9, 16, 3, 64, 2
+    layout = PageLayout(fmt, L, H, D, bs)
+    buf = layout.allocate(n_pages)
+    ids = torch.tensor([7, 2, 5])
+    written = {}
+    for layer in range(L):
+        comps = quantize_pages(fmt, *_pages(len(ids), bs, H, D, seed=layer))
+        views = layout.views(buf, layer)
+        for name, t in comps.items():
+            views[name][ids] = t
+        written[layer] = comps
+    snapshot = buf.clone()
+    restored = layout.allocate(n_pages)
+    restored[ids] = snapshot[ids]  # a page is one contiguous run of bytes: spill + restore
+    for layer in range(L):
+        views = layout.views(restored, layer)
+        for name, t in written[layer].items():
+            got = views[name][ids]
+            assert torch.equal(got.view(torch.uint8), t.contiguous().view(torch.uint8)), name
+        k_a, v_a = dequantize_pages(fmt, {nm: vw[ids] for nm, vw in views.items()})
+        k_b, v_b = dequantize_pages(fmt, written[layer])
+        assert torch.equal(k_a, k_b) and torch.equal(v_a, v_b)
+    untouched = torch.ones(n_pages, dtype=torch.bool)
+    untouched[ids] = False
+    assert (restored[untouched] == 0).all()
+
+
+def test_int4_bits_per_value_is_5_5_at_block_16():
+    layout = PageLayout("int4", num_layers=30, num_kv_heads=3, head_size=64, block_size=16)
+    assert layout.bits_per_value == 5.5
+    assert PageLayout("int8", 30, 3, 64, 16).bits_per_value == 8.25
+    assert PageLayout("fp8", 30, 3, 64, 16).bits_per_value == 8.25
+
+
+def test_bad_format_and_head_size_are_named():
+    with pytest.raises(ValueError, match="'int3'"):
+        quant_components("int3", 16, 1, 64)
+    with pytest.raises(ValueError, match="48"):
+        quant_components("int4", 16, 1, 48)

@@ -1,0 +1,162 @@
+"""The engine's side of the tiered store: spill evicted pages down, load prefix hits back up.
+
+Spill is write-back. When the page pool evicts a cached page to reuse its slot, the page's
+bytes are copied out (before the step that overwrites the slot runs) and handed to a spill
+thread, which encodes them and puts them into the first tier.
+
+Loads run on a loader thread, so the step loop never waits on Redis or a peer while other
+requests could run. A waiting request whose prefix continues beyond the device's cached
+pages is parked; the loader asks the store for the longest run of consecutive pages any
+tier holds and fetches them (validated by the codec). The engine thread then writes them
+into free device pages as ordinary cached pages and puts the request back at the head of
+the queue, where the normal prefix lookup finds the whole run on the device.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvmesh.kvstore.store import TieredStore
+from kvmesh.worker.kv_cache import Page
+from kvmesh.worker.request import Request
+
+logger = logging.getLogger("kvmesh.offload")
+
+
+@dataclass
+class LoadResult:
+    request: Request
+    first_page: int  # index in the request's block_hashes of the first loaded page
+    tiers: list[str]  # per loaded page, the tier it came from
+    payloads: np.ndarray  # (n, page_nbytes) uint8
+
+
+class KVOffloader:
+    """Owns the spill and loader threads for one engine. Engine-thread methods: ``on_evict``,
+    ``flush_spills``, ``start_load``, ``finished_loads``."""
+
+    def __init__(self, store: TieredStore, page_nbytes: int, max_spill_backlog: int = 1024):
+        self.store = store
+        self.page_nbytes = page_nbytes
+        self.max_spill_backlog = max_spill_backlog
+        self._spill_pool = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-spill")
+        self._load_pool = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-load")
+        self._evicted: list[tuple[bytes, int]] = []  # (hash, page id) awaiting a copy
+        self._loads: dict[str, Future] = {}
+        self._done = threading.Event()  # set by the loader when a load finishes
+        self._backlog = 0  # pages copied out but not yet put (spill thread)
+        self._lock = threading.Lock()
+        self.metrics = {
+            "spilled_pages": 0, "spill_skipped_pages": 0, "spill_errors": 0,
+            "loads": 0, "loaded_pages": 0, "load_errors": 0,
+        }  # fmt: skip
+
+    # ------------------------------------------------------------ spill
+
+    def on_evict(self, page: Page) -> None:
+        """The pool is about to reuse ``page``'s slot; its bytes are still intact."""
+        self._evicted.append((page.block_hash, page.page_id))
+
+    def flush_spills(self, kv_buffer: torch.Tensor) -> None:
+        """Copy the evicted pages out of the pool now (before anything overwrites them) and
+        hand them to the spill thread. Pages past the backlog limit are dropped, not queued:
+        a spill is an optimisation, never worth stalling the engine for."""
+        if not self._evicted:
+            return
+        evicted, self._evicted = self._evicted, []
+        with self._lock:
+            room = max(self.max_spill_backlog - self._backlog, 0)
+            if len(evicted) > room:
+                self.metrics["spill_skipped_pages"] += len(evicted) - room
+                evicted = evicted[:room]
+            self._backlog += len(evicted)
+        if not evicted:
+            return
+        ids = torch.tensor([pid for _, pid in evicted], dtype=torch.int64)
+        rows = kv_buffer.index_select(0, ids.to(kv_buffer.device)).cpu().numpy()  # (n, bytes)
+        self._spill_pool.submit(self._spill, [h for h, _ in evicted], rows)
+
+    def _spill(self, hashes: list[bytes], rows: np.ndarray) -> None:
+        try:
+            self.store.put([(h, memoryview(rows[i])) for i, h in enumerate(hashes)])
+            with self._lock:
+                self.metrics["spilled_pages"] += len(hashes)
+        except Exception:
+            logger.exception("spilling %d pages failed; they will be recomputed", len(hashes))
+            with self._lock:
+                self.metrics["spill_errors"] += 1
+        finally:
+            with self._lock:
+                self._backlog -= len(hashes)
+
+    def drain(self, timeout: float = 30.0) -> None:
+        """Wait until every spill handed over so far is in the store (tests, shutdown)."""
+        self._spill_pool.submit(lambda: None).result(timeout)
+
+    # ------------------------------------------------------------ load
+
+    def start_load(self, req: Request, first_page: int, hashes: Sequence[bytes]) -> None:
+        """Look up ``hashes`` (the request's pages after its device hits) in the store and
+        fetch the longest consecutive run, on the loader thread."""
+        self._loads[req.request_id] = self._load_pool.submit(
+            self._load, req, first_page, list(hashes)
+        )
+
+    def _load(self, req: Request, first_page: int, hashes: list[bytes]) -> LoadResult:
+        tiers: list[str] = []
+        payloads = np.empty((0, self.page_nbytes), dtype=np.uint8)
+        try:
+            run = self.store.lookup(hashes)
+            if run:
+                got = self.store.get(hashes[: len(run)])
+                n = next((i for i, g in enumerate(got) if g is None), len(got))
+                payloads = np.empty((n, self.page_nbytes), dtype=np.uint8)
+                for i in range(n):
+                    tier, payload = got[i]
+                    payloads[i] = np.frombuffer(payload, dtype=np.uint8)
+                    tiers.append(tier)
+        except Exception:  # a tier bug must not fail the request: it is recomputed
+            logger.exception("loading %s's prefix failed; computing it", req.request_id)
+            with self._lock:
+                self.metrics["load_errors"] += 1
+            tiers, payloads = [], np.empty((0, self.page_nbytes), dtype=np.uint8)
+        finally:
+            self._done.set()
+        with self._lock:
+            self.metrics["loads"] += 1
+            self.metrics["loaded_pages"] += len(tiers)
+        return LoadResult(req, first_page, tiers, payloads)
+
+    @property
+    def num_loading(self) -> int:
+        return len(self._loads)
+
+    def is_loading(self, request_id: str) -> bool:
+        return request_id in self._loads
+
+    def cancel(self, request_id: str) -> None:
+        """Forget a parked request (aborted); its load result, if any, is dropped."""
+        self._loads.pop(request_id, None)
+
+    def finished_loads(self) -> list[LoadResult]:
+        done = [rid for rid, f in self._loads.items() if f.done()]
+        return [self._loads.pop(rid).result() for rid in done]
+
+    def wait_for_load(self, timeout: float) -> None:
+        """Block until some load finishes (or ``timeout``): for an engine with nothing else
+        to run."""
+        if self._loads and not any(f.done() for f in self._loads.values()):
+            self._done.wait(timeout)
+        self._done.clear()
+
+    def close(self) -> None:
+        self._load_pool.shutdown(wait=False, cancel_futures=True)
+        self._spill_pool.shutdown(wait=True)
+        self.store.close()
