@@ -45,3 +45,7 @@ format: setup
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+
+.PHONY: protos
+protos: $(STAMP)  ## regenerate protos/kvmesh/v1/*_pb2*.py from the .proto files
+	$(BIN)/python protos/generate.py

@@ -76,6 +76,21 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_worker(a: argparse.Namespace) -> int:
+    from kvmesh.worker.server import serve_worker
+
+    serve_worker(
+        a.model,
+        port=a.port,
+        host=a.host,
+        max_message_mb=a.max_message_mb,
+        grace_s=a.grace_period,
+        max_waiting=a.max_waiting,
+        **_engine_kwargs(a),
+    )
+    return 0
+
+
 def cmd_simulate_router(a: argparse.Namespace) -> int:
     import json
 
@@ -125,6 +140,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     _add_engine_args(g)
     g.set_defaults(func=cmd_generate)
+
+    w = sub.add_parser(
+        "worker", help="serve one engine over gRPC (Inference, KVTransfer, health, reflection)"
+    )
+    w.add_argument("--port", type=int, default=50051, help="0 picks a free port")
+    w.add_argument("--host", default="0.0.0.0", help="address to bind")
+    w.add_argument("--max-message-mb", type=int, default=64, help="gRPC message size limit")
+    w.add_argument(
+        "--grace-period", type=float, default=10.0,
+        help="seconds in-flight streams may finish after SIGTERM/SIGINT",
+    )  # fmt: skip
+    w.add_argument("--max-waiting", type=int, default=4096, help="queue size (RESOURCE_EXHAUSTED)")
+    _add_engine_args(w)
+    w.set_defaults(func=cmd_worker)
 
     s = sub.add_parser(
         "simulate-router", help="replay a Mooncake-format trace through the router's policies"

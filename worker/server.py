@@ -172,6 +172,9 @@ class InferenceServicer(ipb_grpc.InferenceServicer):
     ) -> ipb.ModelInfo:
         e = self.aeng.engine  # everything read here is fixed after construction
         cfg = e.model_config
+        eos = set(cfg.eos_token_ids)
+        if e.tokenizer is not None and e.tokenizer.eos_token_id is not None:
+            eos.add(e.tokenizer.eos_token_id)
         # the resolved cache format ("auto" is the model dtype's format)
         kv_fmt = getattr(e, "cache_format", None) or e.cache_config.kv_cache_dtype
         return ipb.ModelInfo(
@@ -185,7 +188,7 @@ class InferenceServicer(ipb_grpc.InferenceServicer):
             num_layers=cfg.num_layers,
             num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim,
-            eos_token_ids=sorted(e._eos_ids()),
+            eos_token_ids=sorted(eos),
             worker_id=self.worker_id,
         )
 
@@ -458,6 +461,7 @@ class WorkerServer:
                 box.append(loop.run_until_complete(self.start()))
             except BaseException as e:
                 box.append(e)
+                loop.close()
                 started.set()
                 return
             started.set()
@@ -473,7 +477,7 @@ class WorkerServer:
         return box[0]
 
     def stop_in_thread(self, grace: float | None = None, timeout: float = 60.0) -> None:
-        if self._loop is None or self._thread is None:
+        if self._loop is None or self._thread is None or not self._thread.is_alive():
             return
         fut = asyncio.run_coroutine_threadsafe(self.stop(grace), self._loop)
         fut.result(timeout)

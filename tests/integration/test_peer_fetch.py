@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 import zlib
 
 import grpc
@@ -195,3 +196,74 @@ def test_crc_is_of_the_whole_object(host, stub):
     assert {p.crc32 for p in pieces} == {zlib.crc32(obj)}
     assert {p.total_size for p in pieces} == {len(obj)}
     assert [p.offset for p in pieces] == sorted(p.offset for p in pieces)
+
+
+class FaultySource(TierPageSource):
+    """Serves its tier, but stalls (``delay``) or raises after the first ``ok_calls`` fetches."""
+
+    def __init__(self, tier: HostTier, *, delay: float = 0.0, ok_calls: int | None = None):
+        super().__init__(tier)
+        self.delay, self.ok_calls, self.calls = delay, ok_calls, 0
+
+    def fetch(self, hashes):
+        self.calls += 1
+        if self.ok_calls is not None and self.calls > self.ok_calls:
+            raise OSError("disk on fire")
+        time.sleep(self.delay)
+        return super().fetch(hashes)
+
+
+@pytest.fixture
+def faulty():
+    tier = HostTier(256 << 20)
+    source = FaultySource(tier)
+    srv = WorkerServer(page_source=source)
+    srv.start_in_thread()
+    yield tier, source, srv.address
+    srv.stop_in_thread(grace=0)
+
+
+def test_a_peer_past_its_deadline_is_a_miss(faulty, caplog):
+    tier, source, address = faulty
+    tier.put([(h(50), page(50))])
+    source.delay = 1.5
+    peer = PeerTier(address, timeout=0.3)
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvmesh.kvstore.peer"):
+            t0 = time.monotonic()
+            assert peer.get([h(50)]) == [None]
+            assert time.monotonic() - t0 < 1.2
+        assert peer.metrics["errors"] == 1
+        assert any("DEADLINE_EXCEEDED" in r.getMessage() for r in caplog.records)
+    finally:
+        peer.close()
+
+
+def test_pages_that_arrived_before_a_fault_are_kept(faulty):
+    tier, source, address = faulty
+    small = {i: bytes([i]) * 2000 for i in range(60, 100)}  # 40 pages: two source batches
+    tier.put([(h(i), o) for i, o in small.items()])
+    source.ok_calls = 1  # the second batch fails on the server: INTERNAL mid-stream
+    peer = PeerTier(address)
+    try:
+        got = peer.get([h(i) for i in small])
+    finally:
+        peer.close()
+    first = len([g for g in got if g is not None])
+    assert 0 < first < len(small)
+    assert got[:first] == [small[60 + j] for j in range(first)]
+    assert peer.metrics["errors"] == 1
+
+
+def test_a_worker_without_a_page_store():
+    srv = WorkerServer()  # neither engine nor page source: every page is a miss
+    srv.start_in_thread()
+    peer = PeerTier(srv.address)
+    try:
+        assert peer.contains([h(1), h(2)]) == [False, False]
+        assert peer.get([h(1)]) == [None] and peer.metrics["errors"] == 0
+        assert peer.push([(h(1), page(1))]) == 0  # FAILED_PRECONDITION, a fault
+        assert peer.metrics["errors"] == 1
+    finally:
+        peer.close()
+        srv.stop_in_thread(grace=0)

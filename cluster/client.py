@@ -1,0 +1,647 @@
+"""The kvmesh client SDK: ``Client`` (blocking) and ``AsyncClient`` (asyncio), one shape.
+
+    from kvmesh.cluster import Client
+
+    with Client("localhost:50051") as c:
+        for chunk in c.generate("Hello", max_tokens=32, temperature=0):
+            print(chunk.text, end="", flush=True)
+        print(c.generate_text("Hello", max_tokens=32).text)
+
+Sampling keywords mirror ``kvmesh.worker.SamplingParams``; the server validates them and an
+invalid one raises ``InvalidArgument`` with the engine's message. Every failure is a
+``KvmeshError`` carrying the gRPC status ``code`` and ``details``.
+
+Retries: a call that fails with UNAVAILABLE before any token arrived is retried (``retries``
+times, exponential backoff with jitter from ``backoff_s`` up to ``backoff_max_s``), within the
+call's own deadline. Nothing is retried once a token has been received: the caller has seen
+part of the answer, and a second attempt could continue differently.
+
+This module imports only grpc and the generated protos (no torch), so clients stay light.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvmesh.protos.kvmesh.v1 import inference_pb2 as pb
+from kvmesh.protos.kvmesh.v1 import inference_pb2_grpc as pb_grpc
+
+Metadata = Sequence[tuple[str, str]]
+Prompt = str | Sequence[int]
+
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "max_tokens",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "skip_special_tokens",
+    "logprobs",
+    "include_stop_str_in_output",
+)
+
+
+# ---------------------------------------------------------------- errors
+
+
+class KvmeshError(Exception):
+    """A failed call: ``code`` is the grpc.StatusCode, ``details`` the server's message."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+class InvalidArgument(KvmeshError):
+    """The request was rejected as bad input (the message names the bad value)."""
+
+
+class ResourceExhausted(KvmeshError):
+    """The worker's queue is full; retry later or elsewhere."""
+
+
+class Unavailable(KvmeshError):
+    """The server is unreachable or shutting down (retried before the first token)."""
+
+
+class DeadlineExceeded(KvmeshError):
+    """The call's timeout passed; the server aborted the request."""
+
+
+class Cancelled(KvmeshError):
+    """The call was cancelled."""
+
+
+_ERRORS = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.CANCELLED: Cancelled,
+}
+
+
+def _error(e: grpc.RpcError) -> KvmeshError:
+    code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+    details = (e.details() if hasattr(e, "details") else None) or str(e)
+    return _ERRORS.get(code, KvmeshError)(code, details)
+
+
+# ---------------------------------------------------------------- results
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class GenerateChunk:
+    """One streamed response: the tokens and text it adds; the last one has ``finished``
+    and carries ``finish_reason``, ``usage`` and ``worker_id``."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[float] | None = None
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    usage: Usage | None = None
+    worker_id: str | None = None
+
+
+@dataclass
+class GenerateResult:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    usage: Usage | None
+    worker_id: str | None
+    stop_reason: str | int | None = None
+    logprobs: list[float] | None = None
+    num_chunks: int = 0
+
+
+@dataclass
+class ModelInfo:
+    model: str
+    fingerprint: str
+    max_model_len: int
+    block_size: int
+    kv_cache_dtype: str
+    vocab_size: int
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    eos_token_ids: list[int]
+    worker_id: str
+
+
+@dataclass
+class Load:
+    num_requests_running: int
+    num_requests_waiting: int
+    queued_prefill_tokens: int
+    kv_cache_usage_perc: float
+    num_free_pages: int
+    num_pages: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    worker_id: str
+
+
+def _chunk(msg: pb.GenerateResponse, want_logprobs: bool) -> GenerateChunk:
+    c = GenerateChunk(
+        request_id=msg.request_id,
+        token_ids=list(msg.token_ids),
+        text=msg.text,
+        logprobs=list(msg.logprobs) if want_logprobs else None,
+    )
+    if msg.finished:
+        c.finished = True
+        c.finish_reason = msg.finish_reason or None
+        which = msg.WhichOneof("stop_reason")
+        c.stop_reason = getattr(msg, which) if which else None
+        u = msg.usage
+        c.usage = Usage(
+            u.prompt_tokens, u.completion_tokens, u.cached_tokens, dict(u.cached_tokens_by_tier)
+        )
+        c.worker_id = msg.worker_id or None
+    return c
+
+
+class _Collector:
+    """Folds chunks into a GenerateResult."""
+
+    def __init__(self, want_logprobs: bool) -> None:
+        self.result = GenerateResult("", "", [], None, None, None)
+        self.result.logprobs = [] if want_logprobs else None
+        self.texts: list[str] = []
+
+    def add(self, c: GenerateChunk) -> None:
+        r = self.result
+        r.request_id = c.request_id
+        r.token_ids.extend(c.token_ids)
+        self.texts.append(c.text)
+        if r.logprobs is not None and c.logprobs:
+            r.logprobs.extend(c.logprobs)
+        r.num_chunks += 1
+        if c.finished:
+            r.finish_reason, r.usage, r.worker_id = c.finish_reason, c.usage, c.worker_id
+            r.stop_reason = c.stop_reason
+
+    def done(self) -> GenerateResult:
+        self.result.text = "".join(self.texts)
+        return self.result
+
+
+def _model_info(m: pb.ModelInfo) -> ModelInfo:
+    return ModelInfo(
+        m.model, m.fingerprint, m.max_model_len, m.block_size, m.kv_cache_dtype, m.vocab_size,
+        m.dtype, m.num_layers, m.num_kv_heads, m.head_dim, list(m.eos_token_ids), m.worker_id,
+    )  # fmt: skip
+
+
+def _load(m: pb.Load) -> Load:
+    return Load(
+        m.num_requests_running, m.num_requests_waiting, m.queued_prefill_tokens,
+        m.kv_cache_usage_perc, m.num_free_pages, m.num_pages, m.prefix_cache_queries,
+        m.prefix_cache_hits, m.worker_id,
+    )  # fmt: skip
+
+
+def build_request(prompt: Prompt, request_id: str | None = None, **sampling) -> pb.GenerateRequest:
+    """The GenerateRequest for ``prompt`` (text or token ids) and sampling keywords."""
+    unknown = set(sampling) - set(SAMPLING_FIELDS)
+    if unknown:
+        raise TypeError(
+            f"unknown sampling parameter(s) {sorted(unknown)}; accepted: {list(SAMPLING_FIELDS)}"
+        )
+    sp = pb.SamplingParams()
+    for name, value in sampling.items():
+        if value is None:
+            continue
+        if name == "stop":
+            sp.stop.extend([value] if isinstance(value, str) else list(value))
+        elif name == "stop_token_ids":
+            sp.stop_token_ids.extend(value)
+        else:
+            setattr(sp, name, value)
+    req = pb.GenerateRequest(sampling=sp, request_id=request_id or "")
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.ids.extend(prompt)
+    return req
+
+
+# ---------------------------------------------------------------- channel set-up
+
+
+def _pem(value: bytes | str | os.PathLike | None) -> bytes | None:
+    """PEM bytes as given, or read from a path."""
+    if value is None or isinstance(value, bytes):
+        return value
+    with open(value, "rb") as f:
+        return f.read()
+
+
+class _Options:
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout: float | None,
+        metadata: Metadata | None,
+        credentials: grpc.ChannelCredentials | None,
+        tls: bool,
+        root_certificates: bytes | str | os.PathLike | None,
+        private_key: bytes | str | os.PathLike | None,
+        certificate_chain: bytes | str | os.PathLike | None,
+        max_message_mb: int,
+        retries: int,
+        backoff_s: float,
+        backoff_max_s: float,
+        channel_options: Sequence[tuple[str, object]] | None,
+    ) -> None:
+        if retries < 0:
+            raise ValueError(f"retries must be >= 0, got {retries}")
+        if timeout is not None and timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds or None, got {timeout}")
+        if max_message_mb < 1:
+            raise ValueError(f"max_message_mb must be >= 1, got {max_message_mb}")
+        self.target = target
+        self.timeout = timeout
+        self.metadata = tuple(metadata or ())
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.backoff_max_s = backoff_max_s
+        limit = max_message_mb * 2**20
+        self.channel_options = [
+            ("grpc.max_send_message_length", limit),
+            ("grpc.max_receive_message_length", limit),
+            *(channel_options or ()),
+        ]
+        if credentials is None and (tls or root_certificates or private_key or certificate_chain):
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=_pem(root_certificates),
+                private_key=_pem(private_key),
+                certificate_chain=_pem(certificate_chain),
+            )
+        self.credentials = credentials
+
+    def call_args(self, timeout: float | None, metadata: Metadata | None) -> tuple:
+        """(deadline as monotonic time or None, metadata) of one call."""
+        t = self.timeout if timeout is None else timeout
+        md = self.metadata + tuple(metadata or ())
+        return (time.monotonic() + t if t is not None else None), (md or None)
+
+    def backoff(self, attempt: int, deadline: float | None) -> float | None:
+        """Seconds to wait before retry number ``attempt`` (1-based), None when no time is
+        left for it before the deadline."""
+        delay = min(self.backoff_max_s, self.backoff_s * 2 ** (attempt - 1))
+        delay *= 0.5 + random.random() / 2
+        if deadline is not None and time.monotonic() + delay >= deadline:
+            return None
+        return delay
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(deadline - time.monotonic(), 0.001)
+
+
+# ---------------------------------------------------------------- the blocking client
+
+
+class Client:
+    """A blocking client of a kvmesh worker (or router): ``target`` is ``host:port``.
+
+    ``timeout`` and ``metadata`` are defaults for every call, each call may override or add
+    to them. TLS: pass ``credentials``, or ``tls=True`` and/or PEM ``root_certificates``
+    (client auth: ``private_key`` and ``certificate_chain``); each PEM is bytes or a path.
+    Thread-safe; close it (or use ``with``) to release the channel.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout: float | None = None,
+        metadata: Metadata | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+        tls: bool = False,
+        root_certificates: bytes | str | os.PathLike | None = None,
+        private_key: bytes | str | os.PathLike | None = None,
+        certificate_chain: bytes | str | os.PathLike | None = None,
+        max_message_mb: int = 64,
+        retries: int = 3,
+        backoff_s: float = 0.1,
+        backoff_max_s: float = 2.0,
+        channel_options: Sequence[tuple[str, object]] | None = None,
+    ) -> None:
+        self._o = o = _Options(
+            target, timeout=timeout, metadata=metadata, credentials=credentials, tls=tls,
+            root_certificates=root_certificates, private_key=private_key,
+            certificate_chain=certificate_chain, max_message_mb=max_message_mb,
+            retries=retries, backoff_s=backoff_s, backoff_max_s=backoff_max_s,
+            channel_options=channel_options,
+        )  # fmt: skip
+        self._channel = (
+            grpc.secure_channel(target, o.credentials, o.channel_options)
+            if o.credentials is not None
+            else grpc.insecure_channel(target, o.channel_options)
+        )
+        self._stub = pb_grpc.InferenceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    @property
+    def target(self) -> str:
+        return self._o.target
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def generate(
+        self,
+        prompt: Prompt,
+        *,
+        request_id: str | None = None,
+        timeout: float | None = None,
+        metadata: Metadata | None = None,
+        **sampling,
+    ) -> Iterator[GenerateChunk]:
+        """Stream a completion as GenerateChunks. Stopping the iteration early (break,
+        ``close()``) cancels the call, which aborts the request on the server."""
+        req = build_request(prompt, request_id, **sampling)
+        want_lp = bool(sampling.get("logprobs"))
+        deadline, md = self._o.call_args(timeout, metadata)
+        attempt = 0
+        while True:
+            call = self._stub.Generate(req, timeout=_remaining(deadline), metadata=md)
+            got_any = False
+            try:
+                for msg in call:
+                    got_any = True
+                    yield _chunk(msg, want_lp)
+                return
+            except grpc.RpcError as e:
+                if got_any or e.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise _error(e) from None
+                attempt += 1
+                delay = self._o.backoff(attempt, deadline) if attempt <= self._o.retries else None
+                if delay is None:
+                    raise _error(e) from None
+            finally:
+                call.cancel()  # a no-op once the call has ended
+            time.sleep(delay)
+
+    def generate_text(
+        self,
+        prompt: Prompt,
+        *,
+        request_id: str | None = None,
+        timeout: float | None = None,
+        metadata: Metadata | None = None,
+        **sampling,
+    ) -> GenerateResult:
+        """Run a completion to the end and return it whole."""
+        col = _Collector(bool(sampling.get("logprobs")))
+        for c in self.generate(
+            prompt, request_id=request_id, timeout=timeout, metadata=metadata, **sampling
+        ):
+            col.add(c)
+        return col.done()
+
+    def _unary(self, method, request, timeout: float | None, metadata: Metadata | None):
+        deadline, md = self._o.call_args(timeout, metadata)
+        attempt = 0
+        while True:
+            try:
+                return method(request, timeout=_remaining(deadline), metadata=md)
+            except grpc.RpcError as e:
+                attempt += 1
+                delay = None
+                if e.code() == grpc.StatusCode.UNAVAILABLE and attempt <= self._o.retries:
+                    delay = self._o.backoff(attempt, deadline)
+                if delay is None:
+                    raise _error(e) from None
+            time.sleep(delay)
+
+    def abort(
+        self, request_id: str, *, timeout: float | None = None, metadata: Metadata | None = None
+    ) -> bool:
+        """Abort a running request; True when the server was running it."""
+        req = pb.AbortRequest(request_id=request_id)
+        return self._unary(self._stub.Abort, req, timeout, metadata).found
+
+    def model_info(
+        self, *, timeout: float | None = None, metadata: Metadata | None = None
+    ) -> ModelInfo:
+        return _model_info(
+            self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout, metadata)
+        )
+
+    def get_load(self, *, timeout: float | None = None, metadata: Metadata | None = None) -> Load:
+        return _load(self._unary(self._stub.GetLoad, pb.GetLoadRequest(), timeout, metadata))
+
+    def health(
+        self,
+        service: str = "",
+        *,
+        timeout: float | None = None,
+        metadata: Metadata | None = None,
+    ) -> str:
+        """The grpc.health.v1 status of ``service`` ("" = the whole server): "SERVING",
+        "NOT_SERVING", ... Raises KvmeshError (NOT_FOUND for an unknown service)."""
+        resp = self._unary(
+            self._health.Check, health_pb2.HealthCheckRequest(service=service), timeout, metadata
+        )
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+
+# ---------------------------------------------------------------- the asyncio client
+
+
+class AsyncClient:
+    """The asyncio twin of ``Client``: same arguments, ``async for`` over ``generate`` and
+    ``await`` on the rest. It belongs to the event loop it is first used in; the channel is
+    opened lazily there. Close it with ``await close()`` or ``async with``."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout: float | None = None,
+        metadata: Metadata | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+        tls: bool = False,
+        root_certificates: bytes | str | os.PathLike | None = None,
+        private_key: bytes | str | os.PathLike | None = None,
+        certificate_chain: bytes | str | os.PathLike | None = None,
+        max_message_mb: int = 64,
+        retries: int = 3,
+        backoff_s: float = 0.1,
+        backoff_max_s: float = 2.0,
+        channel_options: Sequence[tuple[str, object]] | None = None,
+    ) -> None:
+        self._o = _Options(
+            target, timeout=timeout, metadata=metadata, credentials=credentials, tls=tls,
+            root_certificates=root_certificates, private_key=private_key,
+            certificate_chain=certificate_chain, max_message_mb=max_message_mb,
+            retries=retries, backoff_s=backoff_s, backoff_max_s=backoff_max_s,
+            channel_options=channel_options,
+        )  # fmt: skip
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: pb_grpc.InferenceStub | None = None
+        self._health: health_pb2_grpc.HealthStub | None = None
+
+    @property
+    def target(self) -> str:
+        return self._o.target
+
+    def _stubs(self) -> tuple[pb_grpc.InferenceStub, health_pb2_grpc.HealthStub]:
+        if self._channel is None:
+            o = self._o
+            self._channel = (
+                grpc.aio.secure_channel(o.target, o.credentials, o.channel_options)
+                if o.credentials is not None
+                else grpc.aio.insecure_channel(o.target, o.channel_options)
+            )
+            self._stub = pb_grpc.InferenceStub(self._channel)
+            self._health = health_pb2_grpc.HealthStub(self._channel)
+        return self._stub, self._health
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def generate(
+        self,
+        prompt: Prompt,
+        *,
+        request_id: str | None = None,
+        timeout: float | None = None,
+        metadata: Metadata | None = None,
+        **sampling,
+    ) -> AsyncIterator[GenerateChunk]:
+        """Stream a completion; leaving the loop early cancels the call and aborts the
+        request on the server."""
+        stub, _ = self._stubs()
+        req = build_request(prompt, request_id, **sampling)
+        want_lp = bool(sampling.get("logprobs"))
+        deadline, md = self._o.call_args(timeout, metadata)
+        attempt = 0
+        while True:
+            call = stub.Generate(req, timeout=_remaining(deadline), metadata=md)
+            got_any = False
+            try:
+                async for msg in call:
+                    got_any = True
+                    yield _chunk(msg, want_lp)
+                return
+            except grpc.RpcError as e:
+                if got_any or e.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise _error(e) from None
+                attempt += 1
+                delay = self._o.backoff(attempt, deadline) if attempt <= self._o.retries else None
+                if delay is None:
+                    raise _error(e) from None
+            finally:
+                call.cancel()
+            await asyncio.sleep(delay)
+
+    async def generate_text(
+        self,
+        prompt: Prompt,
+        *,
+        request_id: str | None = None,
+        timeout: float | None = None,
+        metadata: Metadata | None = None,
+        **sampling,
+    ) -> GenerateResult:
+        col = _Collector(bool(sampling.get("logprobs")))
+        async for c in self.generate(
+            prompt, request_id=request_id, timeout=timeout, metadata=metadata, **sampling
+        ):
+            col.add(c)
+        return col.done()
+
+    async def _unary(self, method, request, timeout: float | None, metadata: Metadata | None):
+        deadline, md = self._o.call_args(timeout, metadata)
+        attempt = 0
+        while True:
+            try:
+                return await method(request, timeout=_remaining(deadline), metadata=md)
+            except grpc.RpcError as e:
+                attempt += 1
+                delay = None
+                if e.code() == grpc.StatusCode.UNAVAILABLE and attempt <= self._o.retries:
+                    delay = self._o.backoff(attempt, deadline)
+                if delay is None:
+                    raise _error(e) from None
+            await asyncio.sleep(delay)
+
+    async def abort(
+        self, request_id: str, *, timeout: float | None = None, metadata: Metadata | None = None
+    ) -> bool:
+        stub, _ = self._stubs()
+        req = pb.AbortRequest(request_id=request_id)
+        return (await self._unary(stub.Abort, req, timeout, metadata)).found
+
+    async def model_info(
+        self, *, timeout: float | None = None, metadata: Metadata | None = None
+    ) -> ModelInfo:
+        stub, _ = self._stubs()
+        return _model_info(
+            await self._unary(stub.GetModelInfo, pb.GetModelInfoRequest(), timeout, metadata)
+        )
+
+    async def get_load(
+        self, *, timeout: float | None = None, metadata: Metadata | None = None
+    ) -> Load:
+        stub, _ = self._stubs()
+        return _load(await self._unary(stub.GetLoad, pb.GetLoadRequest(), timeout, metadata))
+
+    async def health(
+        self,
+        service: str = "",
+        *,
+        timeout: float | None = None,
+        metadata: Metadata | None = None,
+    ) -> str:
+        _, hstub = self._stubs()
+        resp = await self._unary(
+            hstub.Check, health_pb2.HealthCheckRequest(service=service), timeout, metadata
+        )
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)

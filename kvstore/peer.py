@@ -1,0 +1,420 @@
+"""Pages between workers: the KVTransfer framing, the PageSource a server serves from, and
+PeerTier, the tier that reads another worker's pages over gRPC.
+
+On the wire a page is its encoded page object (``kvstore.codec``), cut into ``PagePiece``s so
+that no ``PageChunk`` message exceeds 1 MiB. Each piece carries the object's total size and
+the CRC-32 of the whole object; the receiver reassembles the pieces in order and drops an
+object whose size or CRC does not match (a miss, never wrong bytes). The codec's own header
+and checksum are checked again by whoever decodes the page (``TieredStore``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import zlib
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from typing import Protocol, runtime_checkable
+
+import grpc
+
+from kvmesh.kvstore.codec import PageCodecError, PageSpec, decode, read_header
+from kvmesh.kvstore.hashing import PAGE_HASH_BYTES
+from kvmesh.kvstore.tier import Tier
+from kvmesh.protos.kvmesh.v1 import kv_transfer_pb2 as pb
+from kvmesh.protos.kvmesh.v1 import kv_transfer_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+MAX_CHUNK_BYTES = 1 << 20  # the largest serialized PageChunk either side sends
+MAX_PAGE_BYTES = 1 << 30  # a receiver refuses to buffer an object claiming more than this
+# bounds on protobuf framing: a piece's tag and length varint inside its chunk, and the same
+# for the data field inside a piece (1 + at most 5 bytes each)
+_EMBED = 6
+_DATA_FIELD = 6
+_MIN_PIECE_DATA = 4096  # start a new chunk rather than send a sliver of an object
+
+
+def crc32(obj: bytes | memoryview) -> int:
+    return zlib.crc32(obj) & 0xFFFFFFFF
+
+
+# ---------------------------------------------------------------- the server's page source
+
+
+@runtime_checkable
+class PageSource(Protocol):
+    """Where a worker's KVTransfer service finds pages and stores pushed ones.
+
+    Methods are called from a thread pool, never from the event loop, and may block. The
+    engine-side source reads device pages on the engine thread; ``TierPageSource`` serves
+    any ``Tier``.
+    """
+
+    def lookup(self, hashes: Sequence[bytes]) -> list[str | None]:
+        """For each hash, the name of the tier that holds it, or ``None``. No LRU change."""
+
+    def fetch(self, hashes: Sequence[bytes]) -> list[bytes | None]:
+        """For each hash, its encoded page object, or ``None`` for a miss."""
+
+    def accept(self, items: list[tuple[bytes, bytes]]) -> int:
+        """Validate and store pushed ``(hash, object)`` pairs; returns how many were stored."""
+
+
+class TierPageSource:
+    """A PageSource over tiers, first hit wins; pushed pages go to the first tier.
+
+    Pushed objects must be page objects of the codec (framing, magic, version); with a
+    ``spec`` they must also decode under it (model, cache format, shape, checksum), so a
+    peer can never plant foreign KV in this worker's tiers.
+    """
+
+    def __init__(self, tiers: Tier | Sequence[Tier], *, spec: PageSpec | None = None) -> None:
+        self.tiers = [tiers] if isinstance(tiers, Tier) else list(tiers)
+        if not self.tiers:
+            raise ValueError("TierPageSource needs at least one tier")
+        self.spec = spec
+
+    def lookup(self, hashes: Sequence[bytes]) -> list[str | None]:
+        where: list[str | None] = [None] * len(hashes)
+        pending = list(range(len(hashes)))
+        for tier in self.tiers:
+            if not pending:
+                break
+            found = tier.contains([hashes[i] for i in pending])
+            for i, hit in zip(pending, found):
+                if hit:
+                    where[i] = tier.name
+            pending = [i for i, hit in zip(pending, found) if not hit]
+        return where
+
+    def fetch(self, hashes: Sequence[bytes]) -> list[bytes | None]:
+        out: list[bytes | None] = [None] * len(hashes)
+        pending = list(range(len(hashes)))
+        for tier in self.tiers:
+            if not pending:
+                break
+            objs = tier.get([hashes[i] for i in pending])
+            for i, obj in zip(pending, objs):
+                out[i] = obj
+            pending = [i for i, obj in zip(pending, objs) if obj is None]
+        return out
+
+    def accept(self, items: list[tuple[bytes, bytes]]) -> int:
+        good = [(h, obj) for h, obj in items if self._valid(h, obj)]
+        if good:
+            self.tiers[0].put(good)
+        return len(good)
+
+    def _valid(self, h: bytes, obj: bytes) -> bool:
+        try:
+            if self.spec is not None:
+                decode(self.spec, obj)
+            else:
+                read_header(obj)
+        except PageCodecError as e:
+            logger.warning("pushed page %s rejected: %s", h.hex(), e)
+            return False
+        return True
+
+
+# ---------------------------------------------------------------- framing
+
+
+def page_chunks(
+    pages: Iterable[tuple[int, bytes, bytes | None]], max_bytes: int = MAX_CHUNK_BYTES
+) -> Iterator[pb.PageChunk]:
+    """``(index, hash, object or None)`` -> PageChunks of at most ``max_bytes`` serialized.
+
+    Pieces follow the input order; an object is cut into consecutive pieces (offsets
+    increasing) when it does not fit the room left in a chunk. ``None`` becomes a piece with
+    ``found=False``.
+    """
+    chunk = pb.PageChunk()
+    size = 0
+    for index, h, obj in pages:
+        if obj is None:
+            piece = pb.PagePiece(hash=h, index=index, found=False)
+            need = piece.ByteSize() + _EMBED
+            if size + need > max_bytes and chunk.pieces:
+                yield chunk
+                chunk, size = pb.PageChunk(), 0
+            chunk.pieces.append(piece)
+            size += need
+            continue
+        view = memoryview(obj).cast("B")
+        total = view.nbytes
+        crc = crc32(view)
+        offset = 0
+        while True:
+            header = pb.PagePiece(
+                hash=h, index=index, found=True, total_size=total, offset=offset, crc32=crc
+            )
+            room = max_bytes - size - header.ByteSize() - _DATA_FIELD - _EMBED
+            left = total - offset
+            if room < min(left, _MIN_PIECE_DATA) and chunk.pieces:
+                yield chunk
+                chunk, size = pb.PageChunk(), 0
+                continue
+            if room < 1 and left > 0:
+                raise ValueError(f"max_bytes={max_bytes} leaves no room for page data")
+            n = min(left, room)
+            header.data = view[offset : offset + n].tobytes()
+            chunk.pieces.append(header)
+            size += header.ByteSize() + _EMBED
+            offset += n
+            if offset >= total:
+                break
+    if chunk.pieces:
+        yield chunk
+
+
+class PageAssembler:
+    """Reassembles pieces into objects, keyed by whatever the caller chooses (the index in a
+    Fetch, the hash in a Push). Pieces of one object must arrive in order."""
+
+    def __init__(self, max_page_bytes: int = MAX_PAGE_BYTES) -> None:
+        self.max_page_bytes = max_page_bytes
+        self._partial: dict[Hashable, tuple[bytearray, int, int]] = {}
+        self.corrupt = 0  # objects dropped: out-of-order piece, size or CRC mismatch
+
+    def add(self, key: Hashable, piece: pb.PagePiece) -> tuple[bool, bytes | None] | None:
+        """Feed one piece. Returns None while the object is incomplete, ``(True, object)``
+        when it is complete and intact, ``(False, None)`` for a miss or a dropped object."""
+        if not piece.found:
+            self._partial.pop(key, None)
+            return False, None
+        buf, total, crc = self._partial.get(key) or (bytearray(), piece.total_size, piece.crc32)
+        if (
+            piece.offset != len(buf)
+            or piece.total_size != total
+            or piece.crc32 != crc
+            or total > self.max_page_bytes
+            or len(buf) + len(piece.data) > total
+        ):
+            return self._drop(key, f"bad piece at offset {piece.offset} of {total} bytes")
+        buf += piece.data
+        if len(buf) < total:
+            self._partial[key] = (buf, total, crc)
+            return None
+        self._partial.pop(key, None)
+        obj = bytes(buf)
+        if crc32(obj) != crc:
+            return self._drop(key, "CRC-32 mismatch")
+        return True, obj
+
+    def _drop(self, key: Hashable, why: str) -> tuple[bool, None]:
+        self._partial.pop(key, None)
+        self.corrupt += 1
+        logger.warning("page transfer: dropping object %r: %s", key, why)
+        return False, None
+
+    def incomplete(self) -> list[Hashable]:
+        """Keys whose objects were started but never finished."""
+        return list(self._partial)
+
+
+# ---------------------------------------------------------------- the peer tier
+
+
+class PeerTier(Tier):
+    """Other workers' pages, read over their KVTransfer service.
+
+    ``contains`` asks each peer's ``Lookup`` for what the peers before it did not have;
+    ``get`` does the same with ``Fetch`` and reassembles the chunks. A peer that fails
+    (unreachable, deadline, a broken stream) gives misses, never an exception: one warning
+    per incident (the next after it has answered again), ``metrics["errors"]`` counts every
+    failed call, and the peer is skipped for ``cooldown_s`` so a dead address costs no time.
+
+    ``put`` pushes to the first peer when ``push_on_put`` (off by default: a worker's spill
+    belongs in its own tiers); ``evict`` is a no-op (another worker's cache is its own).
+    Thread-safe.
+    """
+
+    name = "peer"
+
+    def __init__(
+        self,
+        addresses: str | Sequence[str],
+        *,
+        timeout: float = 5.0,
+        cooldown_s: float = 1.0,
+        push_on_put: bool = False,
+        max_message_mb: int = 64,
+        credentials: grpc.ChannelCredentials | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
+        if not self.addresses:
+            raise ValueError("PeerTier needs at least one peer address")
+        if timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        self.timeout = timeout
+        self.cooldown_s = cooldown_s
+        self.push_on_put = push_on_put
+        self._clock = clock
+        limit = max_message_mb * 2**20
+        options = [
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+        ]
+        self._channels: list[grpc.Channel] = []
+        self._stubs: list[pb_grpc.KVTransferStub] = []
+        for addr in self.addresses:
+            ch = (
+                grpc.secure_channel(addr, credentials, options)
+                if credentials is not None
+                else grpc.insecure_channel(addr, options)
+            )
+            self._channels.append(ch)
+            self._stubs.append(pb_grpc.KVTransferStub(ch))
+        self._lock = threading.Lock()
+        self._failing_until: dict[str, float] = {}  # address -> end of its cooldown
+        self._failing: set[str] = set()  # addresses in an incident (warned once)
+        self.metrics: dict[str, int] = {
+            "hits": 0,
+            "misses": 0,
+            "bytes_read": 0,
+            "corrupt": 0,
+            "errors": 0,
+            "pushed": 0,
+        }
+
+    # ------------------------------------------------------------ Tier
+
+    def contains(self, hashes: Sequence[bytes]) -> list[bool]:
+        found = [False] * len(hashes)
+        pending = list(range(len(hashes)))
+        for addr, stub in self._peers():
+            if not pending:
+                break
+            try:
+                resp = stub.Lookup(
+                    pb.LookupRequest(hashes=[hashes[i] for i in pending]), timeout=self.timeout
+                )
+                if len(resp.tiers) != len(pending):
+                    raise ValueError(f"{len(resp.tiers)} answers for {len(pending)} hashes")
+            except (grpc.RpcError, ValueError) as e:
+                self._fault(addr, "Lookup", e)
+                continue
+            self._ok(addr)
+            for i, tier in zip(pending, resp.tiers):
+                if tier:
+                    found[i] = True
+            pending = [i for i in pending if not found[i]]
+        return found
+
+    def get(self, hashes: Sequence[bytes]) -> list[bytes | None]:
+        out: list[bytes | None] = [None] * len(hashes)
+        pending = list(range(len(hashes)))
+        for addr, stub in self._peers():
+            if not pending:
+                break
+            asked = [hashes[i] for i in pending]
+            got, error = self._fetch(stub, asked)
+            for j, obj in got.items():
+                out[pending[j]] = obj
+            if error is not None:
+                self._fault(addr, "Fetch", error)
+            else:
+                self._ok(addr)
+            pending = [i for i in pending if out[i] is None]
+        hits = len(hashes) - len(pending)
+        with self._lock:
+            self.metrics["hits"] += hits
+            self.metrics["misses"] += len(pending)
+            self.metrics["bytes_read"] += sum(len(o) for o in out if o is not None)
+        return out
+
+    def put(self, items: Sequence[tuple[bytes, bytes]]) -> None:
+        if not self.push_on_put or not items:
+            return
+        self.push(items)
+
+    def evict(self, hashes: Sequence[bytes]) -> None:
+        return None
+
+    def close(self) -> None:
+        for ch in self._channels:
+            ch.close()
+
+    # ------------------------------------------------------------ beyond Tier
+
+    def push(self, items: Sequence[tuple[bytes, bytes]], peer: int = 0) -> int:
+        """Send pages to one peer's host tier; returns how many it accepted (0 on a fault)."""
+        addr, stub = self.addresses[peer], self._stubs[peer]
+        chunks = page_chunks((i, h, obj) for i, (h, obj) in enumerate(items))
+        try:
+            resp = stub.Push(chunks, timeout=self.timeout)
+        except grpc.RpcError as e:
+            self._fault(addr, "Push", e)
+            return 0
+        self._ok(addr)
+        with self._lock:
+            self.metrics["pushed"] += resp.accepted
+        return resp.accepted
+
+    # ------------------------------------------------------------ internals
+
+    def _peers(self) -> Iterator[tuple[str, pb_grpc.KVTransferStub]]:
+        now = self._clock()
+        for addr, stub in zip(self.addresses, self._stubs):
+            with self._lock:
+                skip = self._failing_until.get(addr, 0.0) > now
+            if not skip:
+                yield addr, stub
+
+    def _fetch(
+        self, stub: pb_grpc.KVTransferStub, hashes: list[bytes]
+    ) -> tuple[dict[int, bytes], Exception | None]:
+        """The complete, intact objects of one Fetch by position, and the fault if the call
+        failed part-way (what arrived before it is kept: every object is CRC-checked)."""
+        got: dict[int, bytes] = {}
+        asm = PageAssembler()
+        call = stub.Fetch(pb.FetchRequest(hashes=hashes), timeout=self.timeout)
+        try:
+            for chunk in call:
+                for piece in chunk.pieces:
+                    if piece.index >= len(hashes) or piece.hash != hashes[piece.index]:
+                        raise ValueError(f"piece for an unrequested page (index {piece.index})")
+                    done = asm.add(piece.index, piece)
+                    if done is not None and done[0]:
+                        got[piece.index] = done[1]
+        except (grpc.RpcError, ValueError) as e:
+            call.cancel()
+            return got, e
+        finally:
+            if asm.corrupt:
+                with self._lock:
+                    self.metrics["corrupt"] += asm.corrupt
+        return got, None
+
+    def _fault(self, addr: str, what: str, err: Exception) -> None:
+        detail = err.details() if isinstance(err, grpc.RpcError) else str(err)
+        code = err.code().name if isinstance(err, grpc.RpcError) else "BAD_REPLY"
+        with self._lock:
+            self.metrics["errors"] += 1
+            self._failing_until[addr] = self._clock() + self.cooldown_s
+            first = addr not in self._failing
+            self._failing.add(addr)
+        if first:
+            logger.warning(
+                "peer %s: %s failed (%s: %s); its pages count as misses", addr, what, code, detail
+            )
+        else:
+            logger.debug("peer %s: %s failed again (%s)", addr, what, code)
+
+    def _ok(self, addr: str) -> None:
+        if addr in self._failing:
+            with self._lock:
+                self._failing.discard(addr)
+                self._failing_until.pop(addr, None)
+            logger.info("peer %s answers again", addr)
+
+
+def check_hashes(hashes: Sequence[bytes]) -> None:
+    """Raise ValueError naming the first hash that is not a page hash."""
+    for i, h in enumerate(hashes):
+        if len(h) != PAGE_HASH_BYTES:
+            raise ValueError(f"hash {i} is {len(h)} bytes; page hashes are {PAGE_HASH_BYTES} bytes")

@@ -1,0 +1,1 @@
+"""Generated gRPC modules; see protos/generate.py."""
