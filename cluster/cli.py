@@ -18,8 +18,19 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), fp32, fp16, bf16"
     )
-    p.add_argument("--kv-cache-dtype", default="auto", help="auto, fp32, fp16, bf16")
+    p.add_argument(
+        "--kv-cache-dtype", default="auto", help="auto, fp32, fp16, bf16, fp8, int8, int4"
+    )
     p.add_argument("--kv-cache-memory", default="1GiB", help="byte budget of the KV page pool")
+    p.add_argument(
+        "--host-cache-memory", default=None, help="host-RAM tier for spilled pages, e.g. 4GiB"
+    )
+    p.add_argument("--redis-url", default=None, help="Redis tier, e.g. redis://host:6379/0")
+    p.add_argument("--redis-ttl", type=float, default=None, help="seconds Redis keeps a page")
+    p.add_argument(
+        "--peer", action="append", default=[], metavar="HOST:PORT",
+        help="another worker's KVTransfer address to fetch pages from (repeatable)",
+    )  # fmt: skip
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -37,7 +48,46 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
         max_num_batched_tokens=a.max_num_batched_tokens,
         max_model_len=a.max_model_len,
         enable_prefix_caching=not a.no_prefix_caching,
+        host_cache_memory=a.host_cache_memory,
+        redis_url=a.redis_url,
+        redis_ttl_s=a.redis_ttl,
+        extra_tiers=_peer_tiers(a.peer),
     )
+
+
+def _peer_tiers(addresses: list[str]) -> list:
+    if not addresses:
+        return []
+    from kvmesh.kvstore.peer import PeerTier
+
+    return [PeerTier(addresses)]
+
+
+def cmd_eval_ppl(a: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from kvmesh.worker import LLMEngine
+    from kvmesh.worker.eval import evaluate_perplexity
+
+    text_path = Path(a.text)
+    if not text_path.is_file():
+        raise FileNotFoundError(f"--text {a.text}: no such file")
+    kw = _engine_kwargs(a)
+    kw["max_num_batched_tokens"] = a.chunk  # prefill chunks go through the cache
+    kw["enable_prefix_caching"] = False  # every window is computed, never served from cache
+    kw["max_model_len"] = max(a.context + 1, kw["max_model_len"] or 0)
+    engine = LLMEngine(a.model, **kw)
+    res = evaluate_perplexity(engine, text_path.read_text(), a.context, a.windows)
+    if a.json:
+        print(json.dumps(res.as_dict()))
+    else:
+        print(
+            f"{res.kv_cache_dtype}: ppl {res.ppl:.4f} over {res.tokens} tokens "
+            f"({res.windows} x {res.context}), {res.bits_per_value:.3g} bits/value, "
+            f"{res.bytes_per_token:.0f} bytes/token"
+        )
+    return 0
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -154,6 +204,17 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--max-waiting", type=int, default=4096, help="queue size (RESOURCE_EXHAUSTED)")
     _add_engine_args(w)
     w.set_defaults(func=cmd_worker)
+
+    e = sub.add_parser(
+        "eval-ppl", help="perplexity of a text through the paged engine (KV format quality)"
+    )
+    e.add_argument("--text", required=True, help="a UTF-8 text file")
+    e.add_argument("--context", type=int, default=1024, help="tokens per window")
+    e.add_argument("--windows", type=int, default=8, help="consecutive windows to score")
+    e.add_argument("--chunk", type=int, default=256, help="prefill chunk (tokens per step)")
+    e.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_engine_args(e)
+    e.set_defaults(func=cmd_eval_ppl)
 
     s = sub.add_parser(
         "simulate-router", help="replay a Mooncake-format trace through the router's policies"

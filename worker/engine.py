@@ -204,14 +204,30 @@ class LLMEngine:
         tiers += list(extra_tiers)
         if not tiers:
             return None, None
+        store = TieredStore(self.page_spec, tiers)
+        logger.info("tiered store: %s", " -> ".join(["device"] + [t.name for t in tiers]))
+        return store, KVOffloader(store, self.layout.page_nbytes)
+
+    @property
+    def page_spec(self) -> PageSpec:
+        """What a stored page object of this engine must say about itself (kvstore.codec)."""
         lay = self.layout
-        spec = PageSpec(
+        return PageSpec(
             self.model_fp, self.cache_format, lay.num_layers, lay.num_kv_heads, lay.head_size,
             lay.block_size, lay.page_nbytes,
         )  # fmt: skip
-        store = TieredStore(spec, tiers)
-        logger.info("tiered store: %s", " -> ".join(["device"] + [t.name for t in tiers]))
-        return store, KVOffloader(store, lay.page_nbytes)
+
+    def read_cached_pages(self, hashes: Sequence[bytes]) -> list[bytes | None]:
+        """Payload bytes of the device's cached pages by hash (None where not cached). Call on
+        the engine thread: the copy is taken before any later step can reuse a slot."""
+        ids = [p.page_id if (p := self.kv.pool.lookup(h)) else -1 for h in hashes]
+        hit = [i for i in ids if i >= 0]
+        if not hit:
+            return [None] * len(hashes)
+        idx = torch.tensor(hit, dtype=torch.int64, device=self.kv_buffer.device)
+        rows = self.kv_buffer.index_select(0, idx).cpu().numpy()
+        it = iter(rows)
+        return [next(it).tobytes() if i >= 0 else None for i in ids]
 
     def _park(self, req: Request, num_device_pages: int) -> bool:
         """Scheduler hook: take ``req`` aside to load the rest of its prefix from the store,

@@ -342,6 +342,10 @@ class WorkerServer:
             own = False
         self.engine: AsyncEngine | None = engine
         self.own_engine = own if own_engine is None else own_engine
+        if page_source is None and engine is not None:
+            from kvmesh.worker.page_source import EnginePageSource
+
+            page_source = EnginePageSource(engine)  # device pages, then the host tier
         self.page_source = page_source
         self.host = host
         self.port = port

@@ -1,0 +1,108 @@
+"""Two worker servers on loopback: B serves a prefix A computed by pulling A's pages over
+``KVTransfer.Fetch``, with output identical to a cold run; A dying mid-fetch only means B
+computes more."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from helpers import text_prompts
+
+from kvmesh.cluster import Client
+from kvmesh.kvstore.peer import PeerTier
+from kvmesh.worker.async_engine import AsyncEngine
+from kvmesh.worker.engine import LLMEngine
+from kvmesh.worker.page_source import EnginePageSource
+from kvmesh.worker.server import WorkerServer
+
+GREEDY = dict(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+class SlowSource:
+    """A's page source, able to stall each Fetch batch so the test can kill A mid-fetch."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.delay_s = 0.0
+        self.fetching = threading.Event()
+
+    def lookup(self, hashes):
+        return self.inner.lookup(hashes)
+
+    def fetch(self, hashes):
+        self.fetching.set()
+        time.sleep(self.delay_s)
+        return self.inner.fetch(hashes)
+
+    def accept(self, items):
+        return self.inner.accept(items)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    a_engine = AsyncEngine(LLMEngine("smollm2-135m-instruct", kv_cache_memory="128MiB"))
+    source = SlowSource(EnginePageSource(a_engine))
+    a = WorkerServer(a_engine, page_source=source, own_engine=True, grace_s=0)
+    a.start_in_thread()
+    peer = PeerTier([a.address], timeout=30.0)
+    b_engine = LLMEngine("smollm2-135m-instruct", kv_cache_memory="128MiB", extra_tiers=[peer])
+    b = WorkerServer(b_engine)
+    b.start_in_thread()
+    yield a, b, source
+    b.stop_in_thread(grace=0)
+    a.stop_in_thread(grace=0)
+
+
+@pytest.fixture(scope="module")
+def prompts(smol_llm, shakespeare):
+    return text_prompts(smol_llm.tokenizer, shakespeare, [1030, 1030])
+
+
+@pytest.fixture(scope="module")
+def reference(smol_llm, prompts):
+    from kvmesh.worker import SamplingParams
+
+    outs = smol_llm.generate(prompts, SamplingParams(**GREEDY))
+    return [o.token_ids for o in outs]
+
+
+def _computed(server: WorkerServer) -> int:
+    return server.engine.engine.runner.tokens_computed
+
+
+def test_b_pulls_a_prefix_from_a(cluster, prompts, reference):
+    a, b, _ = cluster
+    with Client(a.address) as ca, Client(b.address) as cb:
+        on_a = ca.generate_text(prompts[0], **GREEDY)
+        assert on_a.token_ids == reference[0]
+        before = _computed(b)
+        on_b = cb.generate_text(prompts[0], **GREEDY)
+    assert on_b.usage.cached_tokens_by_tier["peer"] >= 1008
+    assert on_b.usage.cached_tokens == 1024
+    assert on_b.token_ids == reference[0]  # identical to a cold run
+    assert _computed(b) - before == 1030 - 1024 + GREEDY["max_tokens"] - 1  # only the rest
+    assert on_b.worker_id != on_a.worker_id
+
+
+def test_a_killed_mid_fetch_means_recompute_on_b(cluster, prompts, reference):
+    a, b, source = cluster
+    with Client(a.address) as ca:
+        assert ca.generate_text(prompts[1], **GREEDY).token_ids == reference[1]
+    source.delay_s = 2.0
+    source.fetching.clear()
+    result = {}
+
+    def run_on_b():
+        with Client(b.address) as cb:
+            result["out"] = cb.generate_text(prompts[1], timeout=300, **GREEDY)
+
+    t = threading.Thread(target=run_on_b)
+    t.start()
+    assert source.fetching.wait(120), "B never started fetching from A"
+    a.stop_in_thread(grace=0)  # A goes away while B waits for its pages
+    t.join(300)
+    out = result["out"]
+    assert out.token_ids == reference[1]  # not an error: B computed what it could not fetch
+    assert out.usage.cached_tokens_by_tier.get("peer", 0) < 1008

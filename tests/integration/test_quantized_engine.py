@@ -1,0 +1,107 @@
+"""Quantized KV caches end to end: the engine's greedy tokens equal transformers' with the same
+page quantization applied to its K/V, and attention really reads the quantized pages."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import text_prompts
+
+from kvmesh.kernels.quant import dequantize_pages, quantize_pages
+from kvmesh.worker import LLM, SamplingParams
+
+BS = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def _fake_quant_attention(fmt: str):
+    """An attention function for transformers that stores K/V the way kvmesh does: every full
+    page of ``BS`` tokens is quantized and dequantized as a whole; the partial last page stays
+    in full precision (the engine's residual)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        B, H, S, D = key.shape  # (1, Hkv, S, D): the whole sequence, no HF cache
+        n = S // BS
+        if n:
+            k = key[0, :, : n * BS].transpose(0, 1).reshape(n, BS, H, D)
+            v = value[0, :, : n * BS].transpose(0, 1).reshape(n, BS, H, D)
+            kq, vq = dequantize_pages(fmt, quantize_pages(fmt, k, v), key.dtype)
+            key = key.clone()
+            value = value.clone()
+            key[0, :, : n * BS] = kq.reshape(n * BS, H, D).transpose(0, 1)
+            value[0, :, : n * BS] = vq.reshape(n * BS, H, D).transpose(0, 1)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    return attention
+
+
+def _hf_fake_quant_greedy(model, fmt: str, prompt: list[int], n: int) -> list[int]:
+    from transformers import AttentionInterface
+
+    name = f"kvmesh_fakequant_{fmt}"
+    AttentionInterface.register(name, _fake_quant_attention(fmt))
+    before = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(n):  # no HF cache: every step re-quantizes the pages it sees
+                logits = model(torch.tensor([ids]), use_cache=False).logits[0, -1]
+                ids.append(int(logits.argmax()))
+    finally:
+        model.set_attn_implementation(before)
+    return ids[len(prompt) :]
+
+
+@pytest.fixture(scope="module")
+def prompts(smol_llm, shakespeare):
+    # odd lengths: a partial tail page at every step, pages completing mid-chunk
+    return text_prompts(smol_llm.tokenizer, shakespeare, [37, 100, 61])
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_greedy_matches_fake_quantized_transformers(fmt, hf_smol, prompts):
+    llm = LLM(
+        "smollm2-135m-instruct", kv_cache_dtype=fmt, kv_cache_memory="64MiB",
+        max_num_batched_tokens=40, max_num_seqs=8,
+    )  # fmt: skip
+    outs = llm.generate(prompts, GREEDY)  # chunked prefill + batched decode, one pool
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == _hf_fake_quant_greedy(hf_smol, fmt, p, GREEDY.max_tokens)
+
+
+def test_attention_reads_the_quantized_pages(prompts):
+    llm = LLM("smollm2-135m-instruct", kv_cache_dtype="int4", kv_cache_memory="64MiB")
+    eng = llm.engine
+    prompt = prompts[1]
+    cold = llm.generate([prompt], GREEDY)[0]
+    hit = llm.generate([prompt], GREEDY)[0]  # 96 tokens served by the cached int4 pages
+    assert hit.num_cached_tokens == 96 and hit.token_ids == cold.token_ids
+    # zero the value scales of the cached pages: a hit must now give other tokens
+    req = eng.make_request(prompt)
+    pages = torch.tensor([eng.kv.pool.lookup(h).page_id for h in req.block_hashes])
+    for layer in eng.layer_caches:
+        assert layer.views["v"].dtype == torch.uint8  # packed nibbles, not floats
+        layer.views["v_scale"][pages] = 0
+    broken = llm.generate([prompt], GREEDY)[0]
+    assert broken.num_cached_tokens == 96
+    assert broken.token_ids != cold.token_ids
+
+
+def test_capacity_per_format(smol_src):
+    """At one kv_cache_memory budget, int8 holds >= 1.8x and int4 >= 2.8x the tokens of fp16."""
+    budget = "32MiB"
+    pages = {}
+    for fmt in ("fp16", "int8", "int4"):
+        llm = LLM("smollm2-135m-instruct", kv_cache_dtype=fmt, kv_cache_memory=budget)
+        pages[fmt] = llm.engine.kv.pool.num_pages
+        assert llm.engine.stats().kv_cache_dtype == fmt
+    assert pages["int8"] >= 1.8 * pages["fp16"]
+    assert pages["int4"] >= 2.8 * pages["fp16"]
+
+
+def test_unknown_cache_dtype_names_the_accepted_ones():
+    with pytest.raises(ValueError, match="int4") as e:
+        LLM("smollm2-135m-instruct", kv_cache_dtype="int3")
+    assert "int3" in str(e.value)
