@@ -1,0 +1,201 @@
+"""Tiered KV store: TTFT of a long prefix by where it lives, a multi-turn workload with tiers
+on versus device-only recompute, and Redis throughput. Prints one JSON object.
+
+    .venv/bin/python bench/tiers.py [--prefix-tokens 2048] [--conversations 64] [--turns 4]
+
+1. TTFT of a request whose ``--prefix-tokens`` prefix is (a) cold, (b) on the device,
+   (c) only in host RAM, (d) only in Redis (a throwaway redis-server on loopback unless
+   ``--redis-url``), with ratios to cold. Medians over ``--repeats`` prompts.
+2. ``--conversations`` x ``--turns``: each turn resends the whole history plus
+   ``--turn-tokens`` new tokens and generates ``--output-tokens``; every conversation's turn
+   is submitted together. The device KV budget (``--device-memory``) is far below the
+   working set, so earlier turns are evicted. Same engine settings with a host tier versus
+   without any tier (recompute). Outputs of the two runs are compared token for token.
+3. Batched put/get throughput of the Redis tier in GB/s of page payload.
+
+Progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from redis_tier import start_redis  # bench/ is sys.path[0] when run as a script
+
+from kvmesh.kvstore.redis_tier import redis_throughput
+from kvmesh.worker import LLM, SamplingParams
+
+TEXT = Path(__file__).resolve().parents[1].parent / "shared/data/tinyshakespeare.txt"
+MODEL = "smollm2-135m-instruct"
+
+
+def log(*a) -> None:
+    print(*a, file=sys.stderr, flush=True)
+
+
+def prompts_from_text(llm: LLM, text: str, n: int, length: int, offset: int = 0) -> list[list[int]]:
+    out, pos = [], offset
+    while len(out) < n:
+        ids = llm.tokenizer.encode(text[pos : pos + length * 6])
+        if len(ids) < length:
+            raise ValueError("the text is too short for these prompts")
+        out.append(ids[:length])
+        pos += length * 6
+    return out
+
+
+def ttft(llm: LLM, ids: list[int]) -> tuple[float, dict]:
+    t0 = time.perf_counter()
+    out = llm.generate([ids], SamplingParams(max_tokens=1, temperature=0.0))[0]
+    return time.perf_counter() - t0, out.cached_tokens_by_tier
+
+
+def bench_ttft(args, text: str, redis_url: str) -> dict:
+    common = dict(kv_cache_memory=args.prefix_device_memory, max_num_batched_tokens=2048)
+    host = LLM(MODEL, host_cache_memory="4GiB", **common)
+    prompts = prompts_from_text(host, text, args.repeats + 1, args.prefix_tokens + 1)
+    ttft(host, prompts[-1])  # warm-up (allocator, thread pools)
+    cold, dev, on_host, on_redis = [], [], [], []
+    for p in prompts[: args.repeats]:
+        cold.append(ttft(host, p)[0])
+        dev.append(ttft(host, p)[0])
+        host.reset_prefix_cache()  # spills the prefix to host RAM
+        t, tiers = ttft(host, p)
+        assert tiers["host"] >= args.prefix_tokens - 16, tiers
+        on_host.append(t)
+        log(f"ttft cold {cold[-1]:.3f}s device {dev[-1]:.3f}s host {t:.3f}s")
+    host.close()
+    del host
+    red = LLM(MODEL, redis_url=redis_url, **common)
+    for i, p in enumerate(prompts[: args.repeats]):
+        ttft(red, p)
+        red.reset_prefix_cache()  # no host tier: straight to Redis
+        t, tiers = ttft(red, p)
+        assert tiers["redis"] >= args.prefix_tokens - 16, tiers
+        on_redis.append(t)
+        log(f"ttft redis {t:.3f}s")
+    red.close()
+    med = statistics.median
+    out = {
+        "prefix_tokens": args.prefix_tokens,
+        "ttft_cold_s": med(cold),
+        "ttft_device_s": med(dev),
+        "ttft_host_s": med(on_host),
+        "ttft_redis_s": med(on_redis),
+    }
+    for k in ("device", "host", "redis"):
+        out[f"ttft_{k}_over_cold"] = out[f"ttft_{k}_s"] / out["ttft_cold_s"]
+    out["target_host_le_0.2"] = out["ttft_host_over_cold"] <= 0.2
+    out["target_redis_le_0.333"] = out["ttft_redis_over_cold"] <= 1 / 3
+    return out
+
+
+def run_conversations(llm: LLM, args, text: str) -> dict:
+    n, turns = args.conversations, args.turns
+    system = llm.tokenizer.encode(text[:2000])[: args.turn_tokens]
+    histories = [list(system) for _ in range(n)]
+    params = SamplingParams(max_tokens=args.output_tokens, temperature=0.0, ignore_eos=True)
+    ttfts, outputs, prompt_tokens = [], [], 0
+    t0 = time.perf_counter()
+    for turn in range(turns):
+        news = prompts_from_text(llm, text, n, args.turn_tokens, offset=5000 + turn * 200_000)
+        prompts = [h + m for h, m in zip(histories, news)]
+        prompt_tokens += sum(map(len, prompts))
+        outs = llm.generate(prompts, params)
+        for i, o in enumerate(outs):
+            histories[i] = prompts[i] + o.token_ids
+            ttfts.append(o.ttft_s)
+            outputs.append(o.token_ids)
+        log(f"turn {turn + 1}/{turns}: {time.perf_counter() - t0:.1f}s")
+    wall = time.perf_counter() - t0
+    s = llm.engine.stats()
+    return {
+        "wall_s": wall,
+        "requests_per_s": n * turns / wall,
+        "output_tokens_per_s": n * turns * args.output_tokens / wall,
+        "mean_ttft_s": statistics.fmean(ttfts),
+        "prompt_tokens": prompt_tokens,
+        "tokens_computed": s.tokens_computed,
+        "prefix_cache_hit_tokens": s.prefix_cache_hits,
+        "_outputs": outputs,
+    }
+
+
+def bench_conversations(args, text: str) -> dict:
+    common = dict(
+        kv_cache_memory=args.device_memory,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    results = {}
+    for name, extra in (("tiers", {"host_cache_memory": args.host_memory}), ("device_only", {})):
+        log(f"multi-turn, {name}")
+        llm = LLM(MODEL, **common, **extra)
+        results[name] = run_conversations(llm, args, text)
+        if name == "tiers":
+            results[name]["store"] = llm.engine.store_metrics()
+        llm.close()
+        del llm
+    same = results["tiers"].pop("_outputs") == results["device_only"].pop("_outputs")
+    on, off = results["tiers"], results["device_only"]
+    return {
+        "conversations": args.conversations,
+        "turns": args.turns,
+        "device_memory": args.device_memory,
+        "host_memory": args.host_memory,
+        "tiers": on,
+        "device_only": off,
+        "throughput_ratio": on["requests_per_s"] / off["requests_per_s"],
+        "mean_ttft_ratio": on["mean_ttft_s"] / off["mean_ttft_s"],
+        "outputs_identical": same,
+        "target_throughput_ge_2": on["requests_per_s"] / off["requests_per_s"] >= 2,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--prefix-tokens", type=int, default=2048)
+    ap.add_argument("--prefix-device-memory", default="512MiB")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--conversations", type=int, default=64)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--turn-tokens", type=int, default=100)
+    ap.add_argument("--output-tokens", type=int, default=16)
+    ap.add_argument("--device-memory", default="192MiB", help="below the working set")
+    ap.add_argument("--host-memory", default="4GiB")
+    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    ap.add_argument("--redis-url", default=None)
+    ap.add_argument("--skip", default="", help="comma list of: ttft, conversations, redis")
+    args = ap.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    text = TEXT.read_text()
+    proc = tmp = None
+    url = args.redis_url
+    if url is None:
+        proc, url, tmp = start_redis()
+    out: dict = {"model": MODEL}
+    try:
+        if "ttft" not in skip:
+            out["ttft"] = bench_ttft(args, text, url)
+        if "conversations" not in skip:
+            out["multi_turn"] = bench_conversations(args, text)
+        if "redis" not in skip:
+            out["redis_tier"] = redis_throughput(url, 64, 737_280)
+        out["loadavg_1m"] = os.getloadavg()[0]
+    finally:
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+            tmp.cleanup()
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
