@@ -73,7 +73,7 @@ def bench_ttft(args, text: str, redis_url: str) -> dict:
     host.close()
     del host
     red = LLM(MODEL, redis_url=redis_url, **common)
-    for i, p in enumerate(prompts[: args.repeats]):
+    for p in prompts[: args.repeats]:
         ttft(red, p)
         red.reset_prefix_cache()  # no host tier: straight to Redis
         t, tiers = ttft(red, p)
