@@ -131,7 +131,9 @@ class PageLayout:
         return out
 
     def residual_shape(self, num_slots: int) -> tuple[int, ...]:
-        """Full-precision tail pages of quantized formats: (slots, layers, 2, bs, Hkv, D)."""
+        """Full-precision tail pages of quantized formats: (layers, 2, slots, bs, Hkv, D), so
+        one layer's K (or V) residual, ``residual[layer, 0]``, is a contiguous (slots, bs, Hkv,
+        D) block."""
         return (
-            num_slots, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_size
+            self.num_layers, 2, num_slots, self.block_size, self.num_kv_heads, self.head_size
         )  # fmt: skip

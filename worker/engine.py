@@ -133,9 +133,8 @@ class LLMEngine:
         # kv_cache_memory budget (like activations): (layers, 2, slots, bs, Hkv, D)
         n_slots = max_num_seqs if layout.quantized else 0
         self.residual = torch.zeros(
-            (cfg.num_layers, 2, n_slots, bs, cfg.num_kv_heads, cfg.head_dim),
-            dtype=self.dtype, device=self.device,
-        )  # fmt: skip
+            layout.residual_shape(n_slots), dtype=self.dtype, device=self.device
+        )
         self.layer_caches = [
             LayerCache(
                 self.cache_format,

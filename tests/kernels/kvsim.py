@@ -51,11 +51,11 @@ class KVSim:
         r = self.residual if residual is None else residual
         if r is None:
             return None, None
-        return r[:, self.layer, 0], r[:, self.layer, 1]  # (R, bs, H, D) strided views
+        return r[self.layer, 0], r[self.layer, 1]  # (R, bs, H, D)
 
     def step(self, new: list[int], dtype=torch.float32, scale=1.0):
         """New tokens per request -> (k, v (T, H, D), write kwargs). Updates ctx."""
-        bs, R = self.bs, 0 if self.residual is None else self.residual.shape[0]
+        bs, R = self.bs, 0 if self.residual is None else self.residual.shape[2]
         ks, vs, slot_map, res_slots, pages, srcs = [], [], [], [], [], []
         t = 0
         for req, n in zip(self.reqs, new):

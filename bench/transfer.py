@@ -1,0 +1,170 @@
+"""Page transfer between workers over gRPC. Prints one JSON object.
+
+    .venv/bin/python bench/transfer.py [--pages 1000] [--page-nbytes 737280] [--skip-ttft]
+
+1. ``KVTransfer.Fetch`` throughput: a worker server whose host tier holds ``--pages`` page
+   objects of ``--page-nbytes`` (SmolLM2's fp32 page by default); a ``PeerTier`` client
+   fetches them all (chunks of at most 1 MiB, checksummed, reassembled). Baseline in the
+   same run: a plain TCP socket on loopback copying the very same bytes into a buffer.
+   Target: >= 50% of the socket's throughput.
+2. TTFT of worker B serving a ``--prefix-tokens`` prefix that worker A computed, by pulling
+   A's pages (peer tier), against B computing a same-length prompt A does not have.
+
+Progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+from kvmesh.kvstore.codec import PageSpec, encode
+from kvmesh.kvstore.host import HostTier
+from kvmesh.kvstore.peer import PeerTier, TierPageSource
+from kvmesh.worker.server import WorkerServer
+
+TEXT = Path(__file__).resolve().parents[1].parent / "shared/data/tinyshakespeare.txt"
+
+
+def log(*a) -> None:
+    print(*a, file=sys.stderr, flush=True)
+
+
+def socket_copy_gbps(objs: list[bytes], repeats: int) -> float:
+    """Plain loopback TCP: a sender thread writes every object, the receiver reads them into
+    one preallocated buffer."""
+    total = sum(map(len, objs))
+    best = float("inf")
+    for _ in range(repeats):
+        srv = socket.create_server(("127.0.0.1", 0))
+        port = srv.getsockname()[1]
+
+        def send(srv=srv):
+            conn, _ = srv.accept()
+            with conn:
+                for o in objs:
+                    conn.sendall(o)
+
+        t = threading.Thread(target=send)
+        t.start()
+        buf = bytearray(total)
+        view = memoryview(buf)
+        with socket.create_connection(("127.0.0.1", port)) as c:
+            t0 = time.perf_counter()
+            got = 0
+            while got < total:
+                n = c.recv_into(view[got:], min(total - got, 1 << 20))
+                if n == 0:
+                    raise RuntimeError("socket closed early")
+                got += n
+            best = min(best, time.perf_counter() - t0)
+        t.join()
+        srv.close()
+    return total / best / 1e9
+
+
+def bench_fetch(args) -> dict:
+    spec = PageSpec("ab" * 16, "fp32", 30, 3, 64, 16, args.page_nbytes)
+    payload = os.urandom(args.page_nbytes)
+    hashes = [i.to_bytes(16, "little") for i in range(args.pages)]
+    objs = [encode(spec, payload) for _ in hashes]
+    host = HostTier(sum(map(len, objs)) + 1)
+    host.put(list(zip(hashes, objs)))
+    server = WorkerServer(None, page_source=TierPageSource(host, spec=spec))
+    server.start_in_thread()
+    peer = PeerTier([server.address], timeout=120.0)
+    total = sum(map(len, objs))
+    try:
+        times = []
+        for r in range(args.repeats):
+            t0 = time.perf_counter()
+            got = peer.get(hashes)
+            times.append(time.perf_counter() - t0)
+            assert all(g == o for g, o in zip(got, objs)), "fetched bytes differ"
+            log(f"fetch {r + 1}: {total / times[-1] / 1e9:.3f} GB/s")
+    finally:
+        peer.close()
+        server.stop_in_thread(grace=0)
+    fetch_gbps = total / min(times) / 1e9
+    sock_gbps = socket_copy_gbps(objs, args.repeats)
+    log(f"socket: {sock_gbps:.3f} GB/s")
+    return {
+        "pages": args.pages,
+        "page_object_bytes": len(objs[0]),
+        "fetch_MBps": fetch_gbps * 1e3,
+        "fetch_pages_per_s": args.pages / min(times),
+        "socket_MBps": sock_gbps * 1e3,
+        "fetch_over_socket": fetch_gbps / sock_gbps,
+        "target_ge_0.5": fetch_gbps / sock_gbps >= 0.5,
+    }
+
+
+def bench_peer_ttft(args) -> dict:
+    from kvmesh.worker import LLM, SamplingParams
+    from kvmesh.worker.engine import LLMEngine
+
+    text = TEXT.read_text()
+    a_engine = LLMEngine("smollm2-135m-instruct", kv_cache_memory="512MiB")
+    a = WorkerServer(a_engine)
+    a.start_in_thread()
+    peer = PeerTier([a.address], timeout=120.0)
+    b = LLM("smollm2-135m-instruct", kv_cache_memory="512MiB", extra_tiers=[peer])
+    tok = b.tokenizer
+    n = args.prefix_tokens + 1
+    prompts = [tok.encode(text[i * 40_000 : i * 40_000 + n * 6])[:n] for i in range(7)]
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+
+    def timed(ids):
+        t0 = time.perf_counter()
+        out = b.generate([ids], one)[0]
+        return time.perf_counter() - t0, out
+
+    try:
+        timed(prompts[6])  # warm-up
+        peer_s, cold_s = [], []
+        for i in range(args.repeats):
+            a.engine.call(lambda e, p=prompts[i]: e.add_request(p, one))  # A computes it
+            while a.engine.call(lambda e: e.has_unfinished_requests()):
+                time.sleep(0.05)
+            t, out = timed(prompts[i])
+            assert out.cached_tokens_by_tier.get("peer", 0) >= args.prefix_tokens - 16, out
+            peer_s.append(t)
+            t, out = timed(prompts[3 + i])  # A never saw it: B computes it all
+            cold_s.append(t)
+            log(f"ttft peer {peer_s[-1]:.3f}s recompute {cold_s[-1]:.3f}s")
+    finally:
+        b.close()
+        a.stop_in_thread(grace=0)
+    med = statistics.median
+    return {
+        "prefix_tokens": args.prefix_tokens,
+        "ttft_peer_s": med(peer_s),
+        "ttft_recompute_s": med(cold_s),
+        "peer_over_recompute": med(peer_s) / med(cold_s),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--pages", type=int, default=1000)
+    ap.add_argument("--page-nbytes", type=int, default=737_280)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--prefix-tokens", type=int, default=2048)
+    ap.add_argument("--skip-ttft", action="store_true")
+    args = ap.parse_args()
+    out = {"fetch": bench_fetch(args)}
+    if not args.skip_ttft:
+        out["peer_ttft"] = bench_peer_ttft(args)
+    out["loadavg_1m"] = os.getloadavg()[0]
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
