@@ -11,16 +11,26 @@ For one model geometry (SmolLM2-135M by default), every cache format's page layo
 * the torch quantizer's and dequantizer's time per page and layer on this machine (the
   CPU engine path), against copying one fp16 page-layer.
 
-Prints one JSON object on stdout.
+With ``--engine`` (default on; ``--no-engine`` for the layout numbers only), each format
+also runs through the real engine on SmolLM2, with ``auto`` as the baseline in the same run:
 
-    python bench/kv_formats.py [--layers 30 --kv-heads 3 --head-size 64 --block-size 16]
+* perplexity on tinyshakespeare (``--ppl-windows`` windows of ``--context`` tokens, prefill
+  chunks of 256 through the cache, as ``kvmesh eval-ppl``) and its change against ``auto``;
+* decode throughput: ``--decode-prompts`` prompts of 128 tokens, ``--decode-tokens`` greedy
+  output tokens each, submitted together; output tokens/s and the ratio to ``auto``.
+
+Prints one JSON object on stdout; progress goes to stderr.
+
+    python bench/kv_formats.py [--ppl-windows 8] [--no-engine]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -45,6 +55,45 @@ def best_time(fn, repeat: int = 5) -> float:
     return best
 
 
+TEXT = Path(__file__).resolve().parents[1].parent / "shared/data/tinyshakespeare.txt"
+ENGINE_FORMATS = ("auto", "fp16", "fp8", "int8", "int4")
+
+
+def engine_rows(args) -> dict:
+    from kvmesh.worker import LLM, SamplingParams
+    from kvmesh.worker.eval import evaluate_perplexity
+
+    text = TEXT.read_text()
+    rows: dict = {}
+    for fmt in ENGINE_FORMATS:
+        llm = LLM(
+            "smollm2-135m-instruct", kv_cache_dtype=fmt, kv_cache_memory="512MiB",
+            max_num_batched_tokens=256, enable_prefix_caching=False,
+        )  # fmt: skip
+        eng = llm.engine
+        row: dict = {"bytes_per_token": eng.bytes_per_token, "bits_per_value": None}
+        row["bits_per_value"] = eng.layout.bits_per_value
+        if args.ppl_windows:
+            res = evaluate_perplexity(eng, text, args.context, args.ppl_windows)
+            row["ppl"] = res.ppl
+        ids = eng.tokenizer.encode(text[100_000:200_000])
+        prompts = [ids[i * 128 : (i + 1) * 128] for i in range(args.decode_prompts)]
+        params = SamplingParams(max_tokens=args.decode_tokens, temperature=0.0, ignore_eos=True)
+        llm.generate(prompts[:2], SamplingParams(max_tokens=2))  # warm-up
+        t0 = time.perf_counter()
+        llm.generate(prompts, params)
+        row["decode_tokens_per_s"] = len(prompts) * args.decode_tokens / (time.perf_counter() - t0)
+        rows[fmt] = row
+        print(f"{fmt}: {row}", file=sys.stderr, flush=True)
+        del llm, eng
+    base = rows["auto"]
+    for row in rows.values():
+        if "ppl" in row:
+            row["ppl_change_vs_auto"] = row["ppl"] / base["ppl"] - 1
+        row["decode_vs_auto"] = row["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=30)
@@ -53,7 +102,13 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--pages", type=int, default=256, help="pages per timing/error batch")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: fair on a busy box)")
+    ap.add_argument("--no-engine", dest="engine", action="store_false")
+    ap.add_argument("--ppl-windows", type=int, default=8, help="0 skips perplexity")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--decode-prompts", type=int, default=16)
+    ap.add_argument("--decode-tokens", type=int, default=64)
     args = ap.parse_args()
+    engine_threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     L, H, D, bs, n = args.layers, args.kv_heads, args.head_size, args.block_size, args.pages
 
@@ -93,6 +148,9 @@ def main() -> None:
             row["dequantize_us_per_page_layer"] = d_s * 1e6
             row["dequantize_vs_fp16_copy"] = d_s / copy_s
         out["formats"][fmt] = row
+    if args.engine:
+        torch.set_num_threads(engine_threads)  # the engine runs as users run it
+        out["engine"] = engine_rows(args)
     print(json.dumps(out, indent=2))
 
 

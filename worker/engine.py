@@ -118,6 +118,7 @@ class LLMEngine:
         # page pool sized from the byte budget: one page-major uint8 buffer (page_format)
         bs = block_size
         self.cache_format = resolve_format(kv_cache_dtype, self.dtype)
+        _check_format_supported(self.cache_format, self.device)
         self.layout = layout = PageLayout(
             self.cache_format, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, bs
         )
@@ -520,6 +521,17 @@ class LLMEngine:
             self.scheduler.park = None
             self.offloader.close()
             self.offloader = None
+
+
+def _check_format_supported(fmt: str, device: torch.device) -> None:
+    """Fail at start-up, not mid-request, for a cache format this device cannot run."""
+    if device.type == "cuda" and fmt == "fp8":
+        cap = torch.cuda.get_device_capability(device)
+        if cap < (8, 9):
+            raise ValueError(
+                f"kv_cache_dtype 'fp8' needs a GPU with compute capability 8.9 or newer "
+                f"(Ada, Hopper); this one is {cap[0]}.{cap[1]}. Use 'int8' instead."
+            )
 
 
 class QueueFullError(RuntimeError):
