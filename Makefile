@@ -1,11 +1,13 @@
 # kvmesh: `make run` and `make test` set everything up on a fresh machine, then run.
+# `make run` starts a local cluster (Ray, 2 workers, the router), runs a multi-tenant demo
+# through the client SDK under each routing policy, and keeps serving until Ctrl-C.
 # Set-up is idempotent: a stamp file skips the installs until pyproject.toml changes.
 
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.setup-stamp
-PROMPT ?= Explain in two sentences why caching the KV of a shared prompt prefix saves time.
+RUN_ARGS ?=
 
 .PHONY: setup run test test-unit lint format redis clean
 
@@ -27,7 +29,7 @@ redis:
 setup: $(STAMP) redis
 
 run: setup
-	$(BIN)/kvmesh generate --chat --max-tokens 128 --prompt "$(PROMPT)"
+	$(BIN)/python -m kvmesh.cluster.demo $(RUN_ARGS)
 
 test: setup
 	$(BIN)/python -m pytest -q tests

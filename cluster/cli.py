@@ -231,6 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0, help="seed of the policies' tie-breaks")
     s.add_argument("--json", action="store_true", help="print one JSON object keyed by policy")
     s.set_defaults(func=cmd_simulate_router)
+
+    from kvmesh.cluster.serve import add_serve_parser  # Ray loads only when `serve` runs
+
+    add_serve_parser(sub)
     return parser
 
 
