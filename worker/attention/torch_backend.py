@@ -61,57 +61,12 @@ class TorchAttentionBackend(AttentionBackend):
             self._prepare_quantized(meta)
 
     def _prepare_quantized(self, meta: AttentionMetadata) -> None:
-        # Where completing pages' tokens come from, split by source, once for every layer.
-        # The residual row count R * bs is not known here, so the split happens lazily in
-        # _write_quantized on the first layer and is reused by the rest.
-        self._complete_split = None
-        rs = meta.residual_slots
-        keep = rs >= 0
-        self._res_rows = rs[keep]  # residual rows written this step
-        self._res_tokens = keep.nonzero().squeeze(1)  # ... from these new tokens
         dec = meta.decode_residual_slots
         self._decode_tail = None
         if meta.num_decode and dec is not None and bool((dec >= 0).any()):
             rows = (dec >= 0).nonzero().squeeze(1)
             tail_page = meta.decode_context_lens[rows] // meta.block_size
             self._decode_tail = (rows, tail_page, dec[rows])
-
-    def _split_complete(self, meta: AttentionMetadata, n_res_rows: int):
-        if self._complete_split is None:
-            src = meta.complete_src.reshape(-1)  # (n * bs,)
-            from_res = src < n_res_rows
-            pos_res = from_res.nonzero().squeeze(1)
-            pos_new = (~from_res).nonzero().squeeze(1)
-            self._complete_split = (pos_res, src[pos_res], pos_new, src[pos_new] - n_res_rows)
-        return self._complete_split
-
-    def _write_quantized(self, k, v, cache: LayerCache) -> None:
-        from kvmesh.kernels.quant import quantize_pages
-
-        meta = self._meta
-        bs = meta.block_size
-        R, _, Hkv, D = cache.residual_k.shape
-        res_k = cache.residual_k.view(R * bs, Hkv, D)
-        res_v = cache.residual_v.view(R * bs, Hkv, D)
-        n = meta.complete_pages.numel()
-        if n:
-            # gather the completing pages in full precision before this step's tokens
-            # overwrite residual rows
-            pos_res, idx_res, pos_new, idx_new = self._split_complete(meta, R * bs)
-            full_k = torch.empty((n * bs, Hkv, D), dtype=res_k.dtype, device=k.device)
-            full_v = torch.empty_like(full_k)
-            full_k[pos_res] = res_k[idx_res]
-            full_v[pos_res] = res_v[idx_res]
-            full_k[pos_new] = k[idx_new].to(full_k.dtype)
-            full_v[pos_new] = v[idx_new].to(full_v.dtype)
-            comps = quantize_pages(
-                cache.cache_format, full_k.view(n, bs, Hkv, D), full_v.view(n, bs, Hkv, D)
-            )
-            for name, t in comps.items():
-                cache.views[name][meta.complete_pages] = t
-        if self._res_rows.numel():
-            res_k[self._res_rows] = k[self._res_tokens].to(res_k.dtype)
-            res_v[self._res_rows] = v[self._res_tokens].to(res_v.dtype)
 
     def _read_pages(self, cache: LayerCache, pages: torch.Tensor, dtype: torch.dtype):
         """K and V of ``pages`` (n,) as (n, bs, Hkv, D) in ``dtype``."""
@@ -132,7 +87,14 @@ class TorchAttentionBackend(AttentionBackend):
         G = Hq // Hkv
         bs = meta.block_size
         if cache.quantized:
-            self._write_quantized(k, v, cache)
+            from kvmesh.kernels.cache_write import write_kv_cache  # Triton on CUDA
+
+            write_kv_cache(
+                fmt=cache.cache_format, k=k, v=v, cache=cache.views,
+                residual_k=cache.residual_k, residual_v=cache.residual_v,
+                residual_slots=meta.residual_slots, complete_pages=meta.complete_pages,
+                complete_src=meta.complete_src,
+            )  # fmt: skip
         else:
             kc, vc = cache.views["k"], cache.views["v"]
             kc[self._page_idx, self._page_off] = k.to(kc.dtype)
