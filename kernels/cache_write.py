@@ -35,6 +35,7 @@ from kvmesh.kernels.quant import int4_v_group, pack_int4_tl, quantize_pages
 FP8_MAX = tl.constexpr(quant.FP8_MAX)
 INT8_MAX = tl.constexpr(quant.INT8_MAX)
 INT4_MAX = tl.constexpr(quant.INT4_MAX)
+CLIP_STEPS = tl.constexpr(quant.INT4_V_CLIP_STEPS)
 MIN_SCALE = tl.constexpr(quant.MIN_SCALE)
 
 
@@ -234,9 +235,27 @@ def _quantize_side(
                     tl.max(tl.where(jm, xe, float("-inf")), 1),
                     tl.max(tl.where(jm, xo, float("-inf")), 1),
                 )
-                sc, zp = _asym_params(mn, mx)  # (BS,)
+                # quant._quant_int4_v's clipping search, factor by factor in the same order
+                mid = (mn + mx) * 0.5
+                half = (mx - mn) * 0.5
+                sc, zp = _asym_params(mn, mx)  # placeholders, replaced by the first factor
                 qe = _int4_codes(xe, sc[:, None], zp[:, None])
                 qo = _int4_codes(xo, sc[:, None], zp[:, None])
+                best = tl.full((BS,), float("inf"), tl.float32)
+                for c in tl.static_range(CLIP_STEPS):
+                    alpha = (20 - c) / 20.0  # constexpr, used as fp32 like the twin's
+                    cs, cz = _asym_params(mid - alpha * half, mid + alpha * half)
+                    ce = _int4_codes(xe, cs[:, None], cz[:, None])
+                    co = _int4_codes(xo, cs[:, None], cz[:, None])
+                    de = (ce * cs[:, None] + cz[:, None]) - xe
+                    do = (co * cs[:, None] + cz[:, None]) - xo
+                    err = tl.sum(tl.where(jm, de * de + do * do, 0.0), 1)  # (BS,)
+                    better = err < best
+                    best = tl.where(better, err, best)
+                    sc = tl.where(better, cs, sc)
+                    zp = tl.where(better, cz, zp)
+                    qe = tl.where(better[:, None], ce, qe)
+                    qo = tl.where(better[:, None], co, qo)
                 tl.store(o_ptr + o_base + n * s_ot + j, pack_int4_tl(qe, qo), mask=jm)
                 soff = s_base + tl.arange(0, BS) * s_st + g * s_sd
                 tl.store(sc_ptr + soff, sc.to(tl.float16))

@@ -136,6 +136,45 @@ def _quant_sym(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     return _round(y).clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
 
 
+# int4 stores values rotated by a normalized Hadamard matrix along head_dim (QuaRot's idea,
+# applied to V only): the rotation spreads a token's outlier channels over its group, so the
+# per-token groups of 32 quantize with a finer step. Attention never needs V itself:
+# softmax(QK^T) (V H) = (softmax(QK^T) V) H, so the backend rotates new V before writing it
+# (pages and the residual alike) and rotates the attention output back (H H = I). Kernels
+# and the page layout are unchanged. SmolLM2, tinyshakespeare, 8 x 1024 tokens: int4
+# perplexity +1.12% without the rotation, +0.82% with it. Keys are left alone (their
+# per-channel scales already absorb outlier channels; rotating them measured no better).
+INT4_V_ROTATION_FORMATS = ("int4",)
+
+
+def value_rotation_block(fmt: str, head_size: int) -> int | None:
+    """The Hadamard block size applied to V for ``fmt`` (None: no rotation): the largest power
+    of two dividing head_size, so 64 for SmolLM2 and 128 for Llama 3."""
+    if fmt not in INT4_V_ROTATION_FORMATS:
+        return None
+    return head_size & -head_size
+
+
+def hadamard_transform(x: torch.Tensor, block: int) -> torch.Tensor:
+    """``x`` (..., D) times the normalized Hadamard matrix of size ``block`` applied to each of
+    the D / block consecutive blocks of the last dim (block-diagonal). Self-inverse.
+
+    A fast Walsh-Hadamard transform: log2(block) stages of elementwise butterflies, so the
+    result is bitwise the same for any batch shape (a GEMM's accumulation order is not)."""
+    D = x.shape[-1]
+    if block < 1 or block & (block - 1) or D % block:
+        raise ValueError(f"Hadamard block {block} must be a power of two dividing {D}")
+    lead = x.shape[:-1]
+    y = x.reshape(-1, D // block, block)
+    h = 1
+    while h < block:
+        y = y.view(y.shape[0], D // block, block // (2 * h), 2, h)
+        a, b = y[:, :, :, 0], y[:, :, :, 1]
+        y = torch.stack((a + b, a - b), dim=3).view(-1, D // block, block)
+        h *= 2
+    return (y * (1.0 / block**0.5)).view(*lead, D)
+
+
 def _quant_int4_k(k: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """(n, bs, H, D) fp32 -> packed (n, bs, H, D/2), scale (n, H, D), zero (n, H, D)."""
     scale, zero = _asym_params(k.amin(1), k.amax(1))
@@ -144,15 +183,42 @@ def _quant_int4_k(k: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return pack_int4(q), scale, zero
 
 
+# Value groups shrink their [min, max] range about its middle by each of these factors and
+# keep the one with the least squared error (the first, on a tie): clipping a group's rare
+# extreme value buys a finer step for the other 31. Measured on SmolLM2 (tinyshakespeare,
+# 2 x 1024 tokens): +1.14% perplexity without the search, +0.62% with it. Keys keep their
+# full range: clipping them measured worse (+1.40%), outlier channels carry attention.
+INT4_V_CLIP_STEPS = 6  # factors (20 - i) / 20: 1.0, 0.95, ..., 0.75
+
+
+def _int4_v_clip_factors() -> list[float]:
+    return [(20 - i) / 20.0 for i in range(INT4_V_CLIP_STEPS)]
+
+
 def _quant_int4_v(v: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """(n, bs, H, D) fp32 -> packed (n, bs, H, D/2), scale (n, bs, H, G), zero (n, bs, H, G)."""
     n, bs, H, D = v.shape
     g = int4_v_group(D)
     vg = v.view(n, bs, H, D // g, g)  # (n, bs, H, G, g)
-    scale, zero = _asym_params(vg.amin(-1), vg.amax(-1))
-    y = (vg - zero.float().unsqueeze(-1)) / scale.float().unsqueeze(-1)
-    q = _round(y).clamp(0, INT4_MAX).to(torch.uint8).view(n, bs, H, D)
-    return pack_int4(q), scale, zero
+    mn, mx = vg.amin(-1), vg.amax(-1)
+    mid, half = (mn + mx) * 0.5, (mx - mn) * 0.5
+    best = None
+    for a in _int4_v_clip_factors():
+        alpha = torch.tensor(a, dtype=torch.float32)
+        sc, zp = _asym_params(mid - alpha * half, mid + alpha * half)
+        s32, z32 = sc.float().unsqueeze(-1), zp.float().unsqueeze(-1)
+        q = _round((vg - z32) / s32).clamp(0, INT4_MAX)
+        err = ((q * s32 + z32) - vg).square().sum(-1)  # (n, bs, H, G)
+        if best is None:
+            best = [err, sc, zp, q]
+            continue
+        better = err < best[0]
+        best[0] = torch.where(better, err, best[0])
+        best[1] = torch.where(better, sc, best[1])
+        best[2] = torch.where(better, zp, best[2])
+        best[3] = torch.where(better.unsqueeze(-1), q, best[3])
+    _, scale, zero, q = best
+    return pack_int4(q.to(torch.uint8).view(n, bs, H, D)), scale, zero
 
 
 def quantize_pages(fmt: str, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:

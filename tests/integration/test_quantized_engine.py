@@ -8,7 +8,12 @@ import torch
 import torch.nn.functional as F
 from helpers import text_prompts
 
-from kvmesh.kernels.quant import dequantize_pages, quantize_pages
+from kvmesh.kernels.quant import (
+    dequantize_pages,
+    hadamard_transform,
+    quantize_pages,
+    value_rotation_block,
+)
 from kvmesh.worker import LLM, SamplingParams
 
 BS = 16
@@ -23,6 +28,9 @@ def _fake_quant_attention(fmt: str):
 
     def attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
         B, H, S, D = key.shape  # (1, Hkv, S, D): everything cached so far plus the new tokens
+        rot = value_rotation_block(fmt, D)
+        if rot is not None:  # int4 stores V rotated and turns the output back
+            value = hadamard_transform(value, rot)
         n = S // BS
         if n:
             k = key[0, :, : n * BS].transpose(0, 1).reshape(n, BS, H, D)
@@ -37,6 +45,8 @@ def _fake_quant_attention(fmt: str):
         o = F.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True
         )  # (1, Hq, Q, D)
+        if rot is not None:
+            o = hadamard_transform(o, rot)
         return o.transpose(1, 2).contiguous(), None
 
     return attention

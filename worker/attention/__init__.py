@@ -21,7 +21,16 @@ def _torch_backend(**kw) -> AttentionBackend:
     return TorchAttentionBackend(**kw)
 
 
-_REGISTRY: dict[str, Callable[..., AttentionBackend]] = {"torch": _torch_backend}
+def _triton_backend(**kw) -> AttentionBackend:
+    from kvmesh.worker.attention.triton_backend import TritonAttentionBackend
+
+    return TritonAttentionBackend(**kw)
+
+
+_REGISTRY: dict[str, Callable[..., AttentionBackend]] = {
+    "torch": _torch_backend,
+    "triton": _triton_backend,  # Triton kernels on CUDA, their torch twins elsewhere
+}
 
 
 def register_backend(name: str, factory: Callable[..., AttentionBackend]) -> None:
@@ -33,7 +42,7 @@ def available_backends() -> list[str]:
 
 
 def get_backend(name: str, **kwargs) -> AttentionBackend:
-    """The backend ``name`` (``"torch"``; ``"triton"`` once the Triton issue lands)."""
+    """The backend ``name``: ``"torch"`` (CPU and reference) or ``"triton"`` (CUDA)."""
     if name not in _REGISTRY:
         raise ValueError(f"unknown attention backend {name!r}; available: {available_backends()}")
     return _REGISTRY[name](**kwargs)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvmesh.kernels.quant import hadamard_transform, value_rotation_block
 from kvmesh.worker.attention.base import AttentionBackend, AttentionMetadata, LayerCache
 
 
@@ -86,6 +87,9 @@ class TorchAttentionBackend(AttentionBackend):
         Hkv = k.shape[1]
         G = Hq // Hkv
         bs = meta.block_size
+        rot = value_rotation_block(cache.cache_format, D)
+        if rot is not None:  # int4 keeps V rotated (kernels.quant); the output is turned back
+            v = hadamard_transform(v, rot)
         if cache.quantized:
             from kvmesh.kernels.cache_write import write_kv_cache  # Triton on CUDA
 
@@ -137,4 +141,4 @@ class TorchAttentionBackend(AttentionBackend):
                 enable_gqa=G > 1,
             )  # fmt: skip
             out[s : s + n] = o[0].transpose(0, 1)
-        return out
+        return out if rot is None else hadamard_transform(out, rot)
