@@ -176,7 +176,10 @@ class WorkerActor:
 
     @staticmethod
     def _measure(engine) -> dict:
-        s = engine.stats()
+        return WorkerActor._report(engine.stats())
+
+    @staticmethod
+    def _report(s) -> dict:
         return {
             "running": s.num_requests_running,
             "waiting": s.num_requests_waiting,
@@ -200,7 +203,11 @@ class WorkerActor:
                 logger.error("engine loop crashed (%r); exiting for a restart", self.aeng.error)
                 os._exit(1)
             try:
-                self._load = self.aeng.call(self._measure, timeout=600)
+                stats = self.aeng.last_stats  # after the latest step: no wait for the next
+                if stats is not None:
+                    self._load = self._report(stats)
+                else:
+                    self._load = self.aeng.call(self._measure, timeout=600)
             except Exception as e:  # shutting down, or the engine died (checked above)
                 logger.debug("load measurement failed: %r", e)
             self._stop.wait(self.report_interval_s)
@@ -267,7 +274,15 @@ class WorkerActor:
                 failing = True
                 self._stop.wait(1.0)
                 continue
-            self._stop.wait(max(0.0, self.report_interval_s - (time.monotonic() - t0)))
+            # a finished request changes the load the router routes by: report it at once
+            # rather than up to an interval late (a stale "busy" sends the next request
+            # with the same prefix elsewhere)
+            if self.aeng.request_finished.wait(
+                max(0.0, self.report_interval_s - (time.monotonic() - t0))
+            ):
+                self.aeng.request_finished.clear()
+                if self.aeng.last_stats is not None:
+                    self._load = self._report(self.aeng.last_stats)
 
 
 # ---------------------------------------------------------------- router

@@ -141,7 +141,7 @@ class RouterCore:
         policy: str = DEFAULT_POLICY,
         report_timeout_s: float = 4.0,
         optimistic_ttl_s: float = 2.0,
-        peer_fetch: bool = False,
+        peer_fetch: bool = True,
         seed: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -153,9 +153,9 @@ class RouterCore:
         self.report_timeout_s = report_timeout_s
         self._clock = clock
         self._seed = seed
-        # Workers cannot yet be told which peer holds a page (the wire has no field for it),
-        # so without peer_fetch another worker's pages are worth nothing: crediting them
-        # would send requests to workers that then recompute.
+        # With peer_fetch, pages another worker holds earn peer credit: the chosen worker is
+        # told where they are (GenerateRequest.peer_addresses) and fetches them over
+        # KVTransfer. Without it, only a worker's own pages count.
         self.index = PrefixIndex(
             optimistic_ttl_s=optimistic_ttl_s,
             clock=clock,
@@ -309,6 +309,20 @@ class RouterCore:
         self.decisions[decision.reason] += 1
         return decision
 
+    def peers_for(self, decision: Decision, limit: int = 2) -> list[str]:
+        """KVTransfer addresses of the workers holding more of this prompt's leading pages
+        on their own device or host than the chosen one, most first (the request's hint)."""
+        if not self.index.peer_tiers:
+            return []
+        mine = decision.score(decision.worker_id).match
+        own = mine.device + mine.host
+        better = sorted(
+            (c for c in decision.candidates
+             if c.worker_id != decision.worker_id and c.match.device + c.match.host > own),
+            key=lambda c: -(c.match.device + c.match.host),
+        )  # fmt: skip
+        return [a for c in better[:limit] if (a := self.address_of(c.worker_id))]
+
     def set_policy(self, name: str) -> str:
         """Switch the routing policy (a fresh one: cursor and sessions start over)."""
         self.policy = self._make_policy(name)
@@ -412,6 +426,8 @@ class RouterServicer(ipb_grpc.InferenceServicer):
                     break
                 wid = decision.worker_id
                 self.active[rid] = wid
+                del fwd.peer_addresses[:]
+                fwd.peer_addresses.extend(self.core.peers_for(decision))
                 call = self.srv.stub(wid).Generate(fwd, timeout=context.time_remaining())
                 try:
                     async for msg in call:

@@ -36,16 +36,25 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._stopped = False
         self.error: BaseException | None = None
+        # the engine's stats after its latest step, and an event set whenever a request
+        # finished: a load reporter reads these without waiting for a step boundary
+        self.last_stats = None
+        self.request_finished = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvmesh-engine", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------ caller side
 
     async def generate(
-        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        peers: list[str] | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs. Leaving the loop early (break, cancel) aborts it."""
-        req = self.engine.make_request(prompt, params, request_id)  # raises on bad input
+        """Stream a request's outputs. Leaving the loop early (break, cancel) aborts it.
+        ``peers``: KVTransfer addresses that may hold this prompt's pages (a router hint)."""
+        req = self.engine.make_request(prompt, params, request_id, peers=peers)
         q: asyncio.Queue = asyncio.Queue()
         with self._lock:  # _abort_all takes the same lock: a stream is failed or never added
             if self._stopped:
@@ -155,8 +164,13 @@ class AsyncEngine:
                     if not self._apply(cmd):
                         self._abort_all(EngineDeadError("the engine is shutting down"))
                         return
+                finished = False
                 for out in self.engine.step():
                     self._deliver(out.request_id, out)
+                    finished |= out.finished
+                self.last_stats = self.engine.stats()
+                if finished:
+                    self.request_finished.set()
         except BaseException as e:  # a crash: fail every stream rather than hang it
             logger.exception("engine loop crashed")
             self.error = e

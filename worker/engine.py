@@ -176,9 +176,9 @@ class LLMEngine:
         self.store, self.offloader = self._make_store(
             host_cache_memory, redis_url, redis_ttl_s, extra_tiers
         )
-        if self.offloader is not None:
+        if self.store is not None:  # spill evicted pages down the tiers
             self.kv.pool.on_evict = self.offloader.on_evict
-            self.scheduler.park = self._park
+        self.scheduler.park = self._park
         self.driver = None  # the AsyncEngine whose thread steps this engine, if any
         logger.info(
             "engine %s: model %s (%s, %d layers) on %s, %d pages of %d tokens (%s, %.0f MiB), "
@@ -202,11 +202,12 @@ class LLMEngine:
                 )
             )  # fmt: skip
         tiers += list(extra_tiers)
-        if not tiers:
-            return None, None
-        store = TieredStore(self.page_spec, tiers)
-        logger.info("tiered store: %s", " -> ".join(["device"] + [t.name for t in tiers]))
-        return store, KVOffloader(store, self.layout.page_nbytes)
+        store = None
+        if tiers:
+            store = TieredStore(self.page_spec, tiers)
+            logger.info("tiered store: %s", " -> ".join(["device"] + [t.name for t in tiers]))
+        # even without tiers: a request may name peers that hold its pages (router hints)
+        return store, KVOffloader(store, self.page_spec)
 
     @property
     def page_spec(self) -> PageSpec:
@@ -233,7 +234,7 @@ class LLMEngine:
         """Scheduler hook: take ``req`` aside to load the rest of its prefix from the store,
         once per request. The last prompt token is always computed, so at most
         ``(num_tokens - 1) // block_size`` pages can be served."""
-        if req.store_checked:
+        if req.store_checked or (self.store is None and not req.peer_hints):
             return False
         req.store_checked = True
         max_pages = (req.num_tokens - 1) // self.cache_config.block_size
@@ -264,7 +265,9 @@ class LLMEngine:
                 pages = pool.take(len(todo))
                 self.offloader.flush_spills(self.kv_buffer)  # copy victims out first
                 ids = torch.tensor([p.page_id for p in pages], dtype=torch.int64)
-                rows = torch.from_numpy(res.payloads[todo]).to(self.device)
+                rows = torch.from_numpy(res.payloads[todo])
+                if self.device.type == "cuda":  # through pinned memory: one DMA copy
+                    rows = rows.pin_memory().to(self.device, non_blocking=True)
                 self.kv_buffer.index_copy_(0, ids.to(self.device), rows)
                 for page, i in zip(pages, todo):
                     n = res.first_page + i
@@ -291,7 +294,11 @@ class LLMEngine:
         return list(prompt)
 
     def make_request(
-        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        peers: Sequence[str] | None = None,
     ) -> Request:
         """Validate and build a request without touching engine state (safe from any thread).
         Raises ValueError naming the problem."""
@@ -325,6 +332,11 @@ class LLMEngine:
             model_fp=self.model_fp,
             prompt=prompt if isinstance(prompt, str) else None,
         )
+        if peers:
+            bad = [p for p in peers if not isinstance(p, str) or ":" not in p]
+            if bad:
+                raise ValueError(f"peer addresses must be 'host:port', got {bad[:3]}")
+            req.peer_hints = list(peers)
         if self.tokenizer is not None:
             req.detokenizer = IncrementalDetokenizer(
                 self.tokenizer, ids, params.skip_special_tokens
@@ -509,10 +521,13 @@ class LLMEngine:
 
     def store_metrics(self) -> dict:
         """Per-tier store counters plus the offloader's spill/load counters ({} without a
-        store)."""
+        store or a peer hint so far)."""
         if self.offloader is None:
             return {}
-        return {"tiers": self.store.metrics(), "offload": dict(self.offloader.metrics)}
+        out = {"offload": dict(self.offloader.metrics)}
+        if self.store is not None:
+            out["tiers"] = self.store.metrics()
+        return out
 
     def close(self) -> None:
         """Finish pending spills and release the store's threads and connections."""

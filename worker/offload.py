@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvmesh.kvstore.codec import PageSpec
 from kvmesh.kvstore.store import TieredStore
 from kvmesh.worker.kv_cache import Page
 from kvmesh.worker.request import Request
@@ -42,9 +43,18 @@ class KVOffloader:
     """Owns the spill and loader threads for one engine. Engine-thread methods: ``on_evict``,
     ``flush_spills``, ``start_load``, ``finished_loads``."""
 
-    def __init__(self, store: TieredStore, page_nbytes: int, max_spill_backlog: int = 1024):
-        self.store = store
-        self.page_nbytes = page_nbytes
+    def __init__(
+        self,
+        store: TieredStore | None,
+        spec: PageSpec,
+        max_spill_backlog: int = 1024,
+        peer_timeout_s: float = 10.0,
+    ):
+        self.store = store  # None: no tiers of its own, only peers a request names
+        self.spec = spec
+        self.page_nbytes = spec.page_nbytes
+        self.peer_timeout_s = peer_timeout_s
+        self._peer_stores: dict[str, TieredStore] = {}  # hinted address -> its one-tier store
         self.max_spill_backlog = max_spill_backlog
         self._spill_pool = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-spill")
         self._load_pool = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-load")
@@ -80,7 +90,12 @@ class KVOffloader:
         if not evicted:
             return
         ids = torch.tensor([pid for _, pid in evicted], dtype=torch.int64)
-        rows = kv_buffer.index_select(0, ids.to(kv_buffer.device)).cpu().numpy()  # (n, bytes)
+        rows = kv_buffer.index_select(0, ids.to(kv_buffer.device))  # (n, page_nbytes)
+        if rows.is_cuda:  # device -> pinned host memory: a DMA copy, not a pageable bounce
+            staged = torch.empty(rows.shape, dtype=torch.uint8, pin_memory=True)
+            staged.copy_(rows)  # synchronous: the slots may be overwritten by the next step
+            rows = staged
+        rows = rows.numpy()
         self._spill_pool.submit(self._spill, [h for h, _ in evicted], rows)
 
     def _spill(self, hashes: list[bytes], rows: np.ndarray) -> None:
@@ -109,14 +124,35 @@ class KVOffloader:
             self._load, req, first_page, list(hashes)
         )
 
+    def _peer_store(self, address: str) -> TieredStore:
+        store = self._peer_stores.get(address)
+        if store is None:
+            from kvmesh.kvstore.peer import PeerTier  # grpc only when a peer is named
+
+            tier = PeerTier([address], timeout=self.peer_timeout_s)
+            store = self._peer_stores[address] = TieredStore(self.spec, [tier])
+        return store
+
+    def _fetch_run(self, store: TieredStore, hashes: list[bytes]) -> list[tuple[str, memoryview]]:
+        """The longest run of valid pages from the start of ``hashes`` that ``store`` has."""
+        run = store.lookup(hashes)
+        if not run:
+            return []
+        got = store.get(hashes[: len(run)])
+        n = next((i for i, g in enumerate(got) if g is None), len(got))
+        return got[:n]
+
     def _load(self, req: Request, first_page: int, hashes: list[bytes]) -> LoadResult:
         tiers: list[str] = []
         payloads = np.empty((0, self.page_nbytes), dtype=np.uint8)
         try:
-            run = self.store.lookup(hashes)
-            if run:
-                got = self.store.get(hashes[: len(run)])
-                n = next((i for i, g in enumerate(got) if g is None), len(got))
+            got = self._fetch_run(self.store, hashes) if self.store is not None else []
+            for address in req.peer_hints:  # the rest, from peers the router named
+                if len(got) == len(hashes):
+                    break
+                got += self._fetch_run(self._peer_store(address), hashes[len(got) :])
+            if got:
+                n = len(got)
                 payloads = np.empty((n, self.page_nbytes), dtype=np.uint8)
                 for i in range(n):
                     tier, payload = got[i]
@@ -159,4 +195,6 @@ class KVOffloader:
     def close(self) -> None:
         self._load_pool.shutdown(wait=False, cancel_futures=True)
         self._spill_pool.shutdown(wait=True)
-        self.store.close()
+        for store in [self.store, *self._peer_stores.values()]:
+            if store is not None:
+                store.close()

@@ -55,6 +55,7 @@ class Request:
         self.cached_by_tier: dict[str, int] = {}  # prompt tokens served per tier
         self.loaded_from: dict[bytes, str] = {}  # page hash -> tier it was promoted from
         self.store_checked = False  # the tiered store was asked for this prefix
+        self.peer_hints: list[str] = []  # KVTransfer addresses that may hold its pages
         self.text = ""
 
     @property

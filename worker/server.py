@@ -138,7 +138,7 @@ class InferenceServicer(ipb_grpc.InferenceServicer):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"request id {rid!r} is already in use"
             )
-        stream = self.aeng.generate(prompt, params, rid)
+        stream = self.aeng.generate(prompt, params, rid, peers=list(request.peer_addresses))
         self.life.enter()
         self.active.add(rid)
         code = details = None

@@ -126,7 +126,8 @@ def _run_tenants(client: Client, tenants: list[list[int]], users: list[list[int]
         for u in users:
             r = client.generate_text(sys_ids + u, **SHORT)
             prompt += r.usage.prompt_tokens
-            cached += r.usage.cached_tokens
+            # the worker's own cache: pages pulled from the other worker are not free
+            cached += r.usage.cached_tokens_by_tier.get("device", 0)
             workers.setdefault(t, set()).add(r.worker_id)
     return cached / prompt, workers
 
@@ -147,6 +148,20 @@ def test_prefix_affinity_caches_more_than_round_robin(cluster, client, texts):
     assert all(len(w) == 2 for w in rr_workers.values())  # each tenant computed twice
     assert all(len(w) == 1 for w in pa_workers.values())  # each tenant stays put
     assert pa > rr, (pa, rr)
+
+
+def test_the_router_points_a_worker_at_the_peer_holding_the_prefix(cluster, client, texts):
+    prefix = texts(30, 1024)
+    try:
+        cluster.reset_prefix_caches()
+        cluster.set_policy("round_robin")  # the second request goes to the other worker
+        a = client.generate_text(prefix + texts(31, 16), **SHORT)
+        b = client.generate_text(prefix + texts(32, 16), **SHORT)
+    finally:
+        cluster.set_policy("prefix_affinity")
+    assert a.worker_id != b.worker_id
+    assert b.usage.cached_tokens_by_tier.get("peer", 0) >= 1008  # pulled over KVTransfer
+    assert b.usage.cached_tokens == 1024
 
 
 def test_bad_input_is_invalid_argument_and_the_cluster_keeps_serving(cluster, client):

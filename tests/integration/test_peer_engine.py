@@ -86,6 +86,33 @@ def test_b_pulls_a_prefix_from_a(cluster, prompts, reference):
     assert on_b.worker_id != on_a.worker_id
 
 
+def test_a_request_naming_a_peer_pulls_its_pages(cluster, prompts, reference, shakespeare):
+    """No static peer: the request itself names A (the router's hint)."""
+    import grpc
+
+    from kvmesh.protos.kvmesh.v1 import inference_pb2 as ipb
+    from kvmesh.protos.kvmesh.v1 import inference_pb2_grpc as ipb_grpc
+
+    a, _, _ = cluster
+    c = LLMEngine("smollm2-135m-instruct", kv_cache_memory="128MiB")  # no tiers at all
+    server = WorkerServer(c)
+    server.start_in_thread()
+    try:
+        prompt = prompts[0]  # A computed it in the first test
+        req = ipb.GenerateRequest(
+            token_ids=ipb.TokenIds(ids=prompt), request_id="hinted",
+            sampling=ipb.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+            peer_addresses=[a.address],
+        )  # fmt: skip
+        with grpc.insecure_channel(server.address) as ch:
+            msgs = list(ipb_grpc.InferenceStub(ch).Generate(req, timeout=300))
+    finally:
+        server.stop_in_thread(grace=0)
+    tokens = [t for m in msgs for t in m.token_ids]
+    assert tokens == reference[0]
+    assert msgs[-1].usage.cached_tokens_by_tier["peer"] >= 1008
+
+
 def test_a_killed_mid_fetch_means_recompute_on_b(cluster, prompts, reference):
     a, b, source = cluster
     with Client(a.address) as ca:

@@ -143,10 +143,21 @@ def test_routing_prefers_the_cached_worker_and_honours_exclusions():
         core.set_policy("nope")
 
 
-def test_other_workers_pages_earn_no_peer_credit_by_default():
+def test_other_workers_pages_earn_peer_credit_and_name_the_peer():
     core = RouterCore(model_fp=FP)
     hs = pages(4)
     core.register(info("a", next_seq=4, cached=hs))
     core.register(info("b", next_seq=0, cached=[]))
-    assert core.index.match(hs)["b"].pages == 0
-    assert RouterCore(model_fp=FP, peer_fetch=True).index.peer_tiers
+    assert core.index.match(hs)["b"].peer == 4  # b could fetch a's pages
+    core.set_policy("round_robin")
+    ds = [core.route(list(range(4 * 16 + 1)), hs) for _ in range(2)]
+    d = next(d for d in ds if d.worker_id == "b")
+    assert core.peers_for(d) == [core.address_of("a")]
+    assert core.peers_for(next(d for d in ds if d.worker_id == "a")) == []  # has them all
+    # without peer fetch, another worker's pages are worth nothing and nobody is named
+    off = RouterCore(model_fp=FP, peer_fetch=False)
+    off.register(info("a", next_seq=4, cached=hs))
+    off.register(info("b", next_seq=0, cached=[]))
+    assert off.index.match(hs)["b"].pages == 0
+    off.set_policy("round_robin")
+    assert [off.peers_for(off.route(list(range(65)), hs)) for _ in range(2)] == [[], []]
