@@ -153,7 +153,10 @@ def page_chunks(
             )
             room = max_bytes - size - header.ByteSize() - _DATA_FIELD - _EMBED
             left = total - offset
-            if room < min(left, _MIN_PIECE_DATA) and chunk.pieces:
+            whole_fits_alone = offset == 0 and left <= max_bytes - header.ByteSize() - 64
+            if chunk.pieces and (room < min(left, _MIN_PIECE_DATA) or (
+                whole_fits_alone and room < left
+            )):  # a page that fits a chunk of its own is not split: one piece, no joins
                 yield chunk
                 chunk, size = pb.PageChunk(), 0
                 continue
@@ -185,6 +188,13 @@ class PageAssembler:
         if not piece.found:
             self._partial.pop(key, None)
             return False, None
+        if piece.offset == 0 and len(piece.data) == piece.total_size and key not in self._partial:
+            # the whole object in one piece (the usual case): no reassembly copies
+            if piece.total_size > self.max_page_bytes:
+                return self._drop(key, f"object of {piece.total_size} bytes is too big")
+            if crc32(piece.data) != piece.crc32:
+                return self._drop(key, "CRC-32 mismatch")
+            return True, piece.data
         buf, total, crc = self._partial.get(key) or (bytearray(), piece.total_size, piece.crc32)
         if (
             piece.offset != len(buf)
