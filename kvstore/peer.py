@@ -154,9 +154,9 @@ def page_chunks(
             room = max_bytes - size - header.ByteSize() - _DATA_FIELD - _EMBED
             left = total - offset
             whole_fits_alone = offset == 0 and left <= max_bytes - header.ByteSize() - 64
-            if chunk.pieces and (room < min(left, _MIN_PIECE_DATA) or (
-                whole_fits_alone and room < left
-            )):  # a page that fits a chunk of its own is not split: one piece, no joins
+            if chunk.pieces and (
+                room < min(left, _MIN_PIECE_DATA) or (whole_fits_alone and room < left)
+            ):  # a page that fits a chunk of its own is not split: one piece, no joins
                 yield chunk
                 chunk, size = pb.PageChunk(), 0
                 continue

@@ -55,6 +55,15 @@ class TieredStore:
         ``len(result)`` is the number of leading pages that can be loaded; the run stops at
         the first page no tier has. ``contains`` only: no LRU change, no validation.
         """
+        run: list[str] = []
+        for name in self.locate(hashes):
+            if name is None:
+                break
+            run.append(name)
+        return run
+
+    def locate(self, hashes: Sequence[bytes]) -> list[str | None]:
+        """For every page, the first tier that holds it, or None (``contains`` only)."""
         where: list[str | None] = [None] * len(hashes)
         pending = list(range(len(hashes)))
         for tier in self.tiers:
@@ -65,12 +74,7 @@ class TieredStore:
                 if hit:
                     where[i] = tier.name
             pending = [i for i, hit in zip(pending, found) if not hit]
-        run: list[str] = []
-        for name in where:
-            if name is None:
-                break
-            run.append(name)
-        return run
+        return where
 
     def get(self, hashes: Sequence[bytes]) -> list[tuple[str, memoryview] | None]:
         """For each hash, ``(tier name, validated payload)`` from the first tier that has a

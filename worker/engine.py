@@ -230,19 +230,27 @@ class LLMEngine:
         it = iter(rows)
         return [next(it).tobytes() if i >= 0 else None for i in ids]
 
-    def _park(self, req: Request, num_device_pages: int) -> bool:
+    def _park(self, req: Request, device_pages: list) -> bool:
         """Scheduler hook: take ``req`` aside to load the rest of its prefix from the store,
         once per request. The last prompt token is always computed, so at most
-        ``(num_tokens - 1) // block_size`` pages can be served."""
+        ``(num_tokens - 1) // block_size`` pages can be served. The request's device pages
+        are held (a reference each) while it waits, so other work cannot evict the prefix
+        the loaded pages continue."""
         if req.store_checked or (self.store is None and not req.peer_hints):
             return False
         req.store_checked = True
         max_pages = (req.num_tokens - 1) // self.cache_config.block_size
+        num_device_pages = len(device_pages)
         if num_device_pages >= max_pages:
             return False
-        self.offloader.start_load(
-            req, num_device_pages, req.block_hashes[num_device_pages:max_pages]
-        )
+        rest = req.block_hashes[num_device_pages:max_pages]
+        # device pages past the first gap (an older part of the prompt was evicted first)
+        # continue the run once the gap is loaded: hold them too
+        later = [self.kv.pool.lookup(h) for h in rest]
+        held = list(device_pages) + [p for p in later if p is not None]
+        self.kv.pool.touch(held)
+        req.held_while_loading = held
+        self.offloader.start_load(req, num_device_pages, rest, [p is not None for p in later])
         return True
 
     def _admit_loaded(self) -> None:
@@ -254,12 +262,13 @@ class LLMEngine:
             if self.requests.get(req.request_id) is not req:
                 continue  # aborted while loading
             hashes = req.block_hashes[res.first_page : res.first_page + len(res.tiers)]
-            # pages the device gained meanwhile need no copy; keep the others in order
-            todo = [i for i, h in enumerate(hashes) if pool.lookup(h) is None]
-            # hold the request's device prefix so taking pages cannot evict it
-            prefix, _ = self.kv.get_computed_pages(req)
-            prefix = prefix[: res.first_page]
-            pool.touch(prefix)
+            # pages the device has (held since parking, or gained meanwhile) need no copy
+            todo = [
+                i for i, h in enumerate(hashes)
+                if res.tiers[i] != "device" and pool.lookup(h) is None
+            ]  # fmt: skip
+            # the request's device prefix has been held since it was parked
+            prefix, req.held_while_loading = req.held_while_loading, []
             todo = todo[: pool.num_free]
             if todo:
                 pages = pool.take(len(todo))
@@ -367,8 +376,10 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
-        if self.offloader is not None:
+        if self.offloader is not None and self.offloader.is_loading(request_id):
             self.offloader.cancel(request_id)
+            self.kv.pool.release(reversed(req.held_while_loading))
+            req.held_while_loading = []
         self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
         return self._output(req, [], "")
 

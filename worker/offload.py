@@ -117,11 +117,14 @@ class KVOffloader:
 
     # ------------------------------------------------------------ load
 
-    def start_load(self, req: Request, first_page: int, hashes: Sequence[bytes]) -> None:
+    def start_load(
+        self, req: Request, first_page: int, hashes: Sequence[bytes], on_device: Sequence[bool]
+    ) -> None:
         """Look up ``hashes`` (the request's pages after its device hits) in the store and
-        fetch the longest consecutive run, on the loader thread."""
+        fetch the longest consecutive run, on the loader thread. ``on_device[i]``: page i is
+        on the device (held for the request) and needs no fetch, only to continue the run."""
         self._loads[req.request_id] = self._load_pool.submit(
-            self._load, req, first_page, list(hashes)
+            self._load, req, first_page, list(hashes), list(on_device)
         )
 
     def _peer_store(self, address: str) -> TieredStore:
@@ -133,28 +136,48 @@ class KVOffloader:
             store = self._peer_stores[address] = TieredStore(self.spec, [tier])
         return store
 
-    def _fetch_run(self, store: TieredStore, hashes: list[bytes]) -> list[tuple[str, memoryview]]:
-        """The longest run of valid pages from the start of ``hashes`` that ``store`` has."""
-        run = store.lookup(hashes)
-        if not run:
-            return []
-        got = store.get(hashes[: len(run)])
-        n = next((i for i, g in enumerate(got) if g is None), len(got))
-        return got[:n]
+    def _fetch_run(
+        self, store: TieredStore, hashes: list[bytes], on_device: list[bool]
+    ) -> list[tuple[str, memoryview] | None]:
+        """The longest run from the start of ``hashes`` in which every page is on the device
+        (``None`` in the result: nothing to fetch) or valid in ``store``."""
+        where = store.locate([h for h, d in zip(hashes, on_device) if not d])
+        it = iter(where)
+        n = 0
+        for d in on_device:
+            if not d and next(it) is None:
+                break
+            n += 1
+        need = [i for i in range(n) if not on_device[i]]
+        got = store.get([hashes[i] for i in need])
+        out: list[tuple[str, memoryview] | None] = [None] * n
+        for i, g in zip(need, got):
+            if g is None:  # vanished or corrupt since the lookup: the run ends before it
+                return out[:i]
+            out[i] = g
+        return out
 
-    def _load(self, req: Request, first_page: int, hashes: list[bytes]) -> LoadResult:
+    def _load(
+        self, req: Request, first_page: int, hashes: list[bytes], on_device: list[bool]
+    ) -> LoadResult:
         tiers: list[str] = []
         payloads = np.empty((0, self.page_nbytes), dtype=np.uint8)
         try:
-            got = self._fetch_run(self.store, hashes) if self.store is not None else []
+            got: list = []
+            if self.store is not None:
+                got = self._fetch_run(self.store, hashes, on_device)
             for address in req.peer_hints:  # the rest, from peers the router named
                 if len(got) == len(hashes):
                     break
-                got += self._fetch_run(self._peer_store(address), hashes[len(got) :])
+                rest = slice(len(got), None)
+                got += self._fetch_run(self._peer_store(address), hashes[rest], on_device[rest])
             if got:
                 n = len(got)
                 payloads = np.empty((n, self.page_nbytes), dtype=np.uint8)
                 for i in range(n):
+                    if got[i] is None:
+                        tiers.append("device")  # held on the device: nothing fetched
+                        continue
                     tier, payload = got[i]
                     payloads[i] = np.frombuffer(payload, dtype=np.uint8)
                     tiers.append(tier)
@@ -167,7 +190,7 @@ class KVOffloader:
             self._done.set()
         with self._lock:
             self.metrics["loads"] += 1
-            self.metrics["loaded_pages"] += len(tiers)
+            self.metrics["loaded_pages"] += sum(t != "device" for t in tiers)
         return LoadResult(req, first_page, tiers, payloads)
 
     @property

@@ -56,6 +56,7 @@ class Request:
         self.loaded_from: dict[bytes, str] = {}  # page hash -> tier it was promoted from
         self.store_checked = False  # the tiered store was asked for this prefix
         self.peer_hints: list[str] = []  # KVTransfer addresses that may hold its pages
+        self.held_while_loading: list = []  # device prefix pages pinned while it is parked
         self.text = ""
 
     @property

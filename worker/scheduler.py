@@ -38,7 +38,7 @@ class Scheduler:
         self.num_preemptions = 0
         # the engine's tiered-store hook: called with a waiting request and its device hits;
         # returns True when it took the request away to load more of its prefix
-        self.park: Callable[[Request, int], bool] | None = None
+        self.park: Callable[[Request, list], bool] | None = None
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -78,7 +78,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             computed, num_hit = self.kv.get_computed_pages(req)
-            if self.park is not None and self.park(req, len(computed)):
+            if self.park is not None and self.park(req, computed):
                 self.waiting.popleft()
                 continue
             num_new = min(req.num_tokens - num_hit, budget)
