@@ -231,18 +231,25 @@ class LLMEngine:
         return [next(it).tobytes() if i >= 0 else None for i in ids]
 
     def _park(self, req: Request, device_pages: list) -> bool:
-        """Scheduler hook: take ``req`` aside to load the rest of its prefix from the store,
-        once per request. The last prompt token is always computed, so at most
-        ``(num_tokens - 1) // block_size`` pages can be served. The request's device pages
-        are held (a reference each) while it waits, so other work cannot evict the prefix
-        the loaded pages continue."""
-        if req.store_checked or (self.store is None and not req.peer_hints):
+        """Scheduler hook: take ``req`` aside to load the rest of its prefix from the store.
+        The last prompt token is always computed, so at most ``(num_tokens - 1) //
+        block_size`` pages can be served. The request's device pages are held (a reference
+        each) while it waits, so other work cannot evict the prefix the loaded pages continue.
+
+        It looks again whenever its device run is shorter than what it last reached (its
+        cached pages were evicted, so spilled, while it waited for room), up to
+        ``_MAX_LOADS`` times."""
+        if self.store is None and not req.peer_hints:
             return False
-        req.store_checked = True
         max_pages = (req.num_tokens - 1) // self.cache_config.block_size
         num_device_pages = len(device_pages)
-        if num_device_pages >= max_pages:
+        if (
+            num_device_pages >= max_pages
+            or num_device_pages == req.store_run  # nothing changed since it last looked
+            or req.store_loads >= _MAX_LOADS
+        ):
             return False
+        req.store_loads += 1
         rest = req.block_hashes[num_device_pages:max_pages]
         # device pages past the first gap (an older part of the prompt was evicted first)
         # continue the run once the gap is loaded: hold them too
@@ -261,6 +268,7 @@ class LLMEngine:
             req = res.request
             if self.requests.get(req.request_id) is not req:
                 continue  # aborted while loading
+            req.store_run = res.first_page + len(res.tiers)  # the run it can now expect
             hashes = req.block_hashes[res.first_page : res.first_page + len(res.tiers)]
             # pages the device has (held since parking, or gained meanwhile) need no copy
             todo = [
@@ -547,6 +555,9 @@ class LLMEngine:
             self.scheduler.park = None
             self.offloader.close()
             self.offloader = None
+
+
+_MAX_LOADS = 3  # store lookups per request: a prefix evicted again and again is computed
 
 
 def _check_format_supported(fmt: str, device: torch.device) -> None:

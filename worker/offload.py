@@ -123,8 +123,11 @@ class KVOffloader:
         """Look up ``hashes`` (the request's pages after its device hits) in the store and
         fetch the longest consecutive run, on the loader thread. ``on_device[i]``: page i is
         on the device (held for the request) and needs no fetch, only to continue the run."""
+        # pages evicted up to now may still be on their way to the store: the load looks
+        # up only after they are in (the spill thread is FIFO, so this barrier is enough)
+        spilled = self._spill_pool.submit(lambda: None)
         self._loads[req.request_id] = self._load_pool.submit(
-            self._load, req, first_page, list(hashes), list(on_device)
+            self._load, req, first_page, list(hashes), list(on_device), spilled
         )
 
     def _peer_store(self, address: str) -> TieredStore:
@@ -158,11 +161,18 @@ class KVOffloader:
         return out
 
     def _load(
-        self, req: Request, first_page: int, hashes: list[bytes], on_device: list[bool]
+        self,
+        req: Request,
+        first_page: int,
+        hashes: list[bytes],
+        on_device: list[bool],
+        spilled: Future | None = None,
     ) -> LoadResult:
         tiers: list[str] = []
         payloads = np.empty((0, self.page_nbytes), dtype=np.uint8)
         try:
+            if spilled is not None:
+                spilled.result()
             got: list = []
             if self.store is not None:
                 got = self._fetch_run(self.store, hashes, on_device)

@@ -54,7 +54,8 @@ class Request:
         self.detokenizer = None  # set by the engine when it has a tokenizer
         self.cached_by_tier: dict[str, int] = {}  # prompt tokens served per tier
         self.loaded_from: dict[bytes, str] = {}  # page hash -> tier it was promoted from
-        self.store_checked = False  # the tiered store was asked for this prefix
+        self.store_loads = 0  # loads started from the tiered store / peers
+        self.store_run = -1  # pages its prefix run reached after its last load
         self.peer_hints: list[str] = []  # KVTransfer addresses that may hold its pages
         self.held_while_loading: list = []  # device prefix pages pinned while it is parked
         self.text = ""
