@@ -5,13 +5,18 @@ the workers use) and asks ``match`` how many pages, counted from the start of th
 worker could reuse, split by the tier each page would come from. See docs/router.md for the
 rules (tiers, sequence numbers and resync, optimistic entries).
 
-Layout, chosen so ``match`` costs one or two set lookups per matched page per worker:
+Layout, chosen so ``match`` costs a few dict lookups per prompt page, whatever the number of
+workers:
 - per worker: one set of page hashes per own tier (device, host, peer), plus the optimistic
-  device entries (also in the device set) with their expiry;
+  device entries (also in the device set) with their expiry. These sets are the bookkeeping
+  (what to drop on a resync, ``num_pages``);
 - shared: Redis pages (visible to every worker) with the workers that reported them, and a
-  count of how many live workers hold each page in a peer-fetchable tier. Whether a page is
-  in Redis or at a peer does not depend on the asking worker, so ``match`` looks it up once
-  per page and prompt, not once per worker.
+  count of how many live workers hold each page in a peer-fetchable tier;
+- per page, one int packing all of that: bit 0 "in Redis", bit 1 "a live peer holds it",
+  then three bits per worker slot (own device, own host, own peer). One dict lookup per page
+  tells every worker's tier at once.
+``match`` walks the prompt once, and does per-worker work only where a page's packed state
+differs from the previous page's (usually a handful of times per prompt).
 """
 
 from __future__ import annotations
@@ -29,6 +34,13 @@ PEER = "peer"
 TIERS = (DEVICE, HOST, REDIS, PEER)
 
 WorkerId = Hashable
+
+# Packed per-page state (PrefixIndex._state): two shared flags, then per worker slot its own
+# tiers at ``bit << worker.shift``.
+_IN_REDIS = 1
+_AT_PEER = 2
+_DEVICE_BIT, _HOST_BIT, _PEER_BIT = 1, 2, 4
+_TIER_BIT = {DEVICE: _DEVICE_BIT, HOST: _HOST_BIT, PEER: _PEER_BIT}
 
 # Tiers of another worker that count as a "peer" hit. DESIGN.md's peer tier is another
 # worker's host RAM over KVTransfer.Fetch; device pages are included by default because a
@@ -64,6 +76,7 @@ NO_MATCH = Match()
 class _Worker:
     """One worker's view: its own tiers, its event stream position and its optimistic pages."""
 
+    shift: int = 2  # where this worker's three bits (device, host, peer) sit in a page state
     engine_id: str | None = None
     last_seq: int = -1
     resyncing: bool = True
@@ -120,6 +133,10 @@ class PrefixIndex:
         self.peer_tiers = peer_tiers
         self._clock = clock
         self._workers: dict[WorkerId, _Worker] = {}
+        self._free_shifts: list[int] = []  # slots of removed workers, reused first
+        self._next_shift = 2
+        # page -> packed state (see the module docstring); absent when nobody has the page
+        self._state: dict[bytes, int] = {}
         # page -> workers that reported it stored in Redis. One Redis key serves everyone.
         self._redis: dict[bytes, set[WorkerId]] = {}
         # page -> number of (live worker, peer tier) holdings, from real events only: an
@@ -131,13 +148,26 @@ class PrefixIndex:
 
     def add_worker(self, worker_id: WorkerId) -> None:
         """Register a worker with no pages; it is resyncing until its stream starts (seq 0)."""
-        self._workers.setdefault(worker_id, _Worker())
+        self._worker(worker_id)
+
+    def _worker(self, worker_id: WorkerId) -> _Worker:
+        """The worker's entry, created (with a free mask bit) if it is new."""
+        w = self._workers.get(worker_id)
+        if w is None:
+            if self._free_shifts:
+                shift = self._free_shifts.pop()
+            else:
+                shift, self._next_shift = self._next_shift, self._next_shift + 3
+            w = self._workers[worker_id] = _Worker(shift=shift)
+        return w
 
     def remove_worker(self, worker_id: WorkerId) -> None:
         """Forget a worker and every page it reported (its Redis reports included)."""
-        w = self._workers.pop(worker_id, None)
+        w = self._workers.get(worker_id)
         if w is not None:
             self._drop_pages(worker_id, w, keep_optimistic=False)
+            del self._workers[worker_id]
+            self._free_shifts.append(w.shift)
 
     def reset(self, worker_id: WorkerId, engine_id: str, next_seq: int = 0) -> None:
         """Drop the worker's pages and trust its stream from ``engine_id``'s ``next_seq`` on.
@@ -147,7 +177,7 @@ class PrefixIndex:
         """
         if next_seq < 0:
             raise ValueError(f"next_seq must be >= 0, got {next_seq}")
-        w = self._workers.setdefault(worker_id, _Worker())
+        w = self._worker(worker_id)
         self._drop_pages(worker_id, w, keep_optimistic=True)
         w.engine_id = engine_id
         w.last_seq = next_seq - 1
@@ -181,9 +211,7 @@ class PrefixIndex:
         """
         if event.tier not in TIERS:
             raise ValueError(f"unknown tier {event.tier!r}; accepted: {', '.join(TIERS)}")
-        w = self._workers.get(worker_id)
-        if w is None:
-            w = self._workers[worker_id] = _Worker()
+        w = self._worker(worker_id)
         if event.seq == 0:
             first_start = w.engine_id is None
             if not first_start and not w.resyncing:  # else counted when the break was seen
@@ -223,7 +251,11 @@ class PrefixIndex:
     def _stored(self, worker_id: WorkerId, w: _Worker, h: bytes, tier: str) -> None:
         if tier == REDIS:
             w.redis.add(h)
-            self._redis.setdefault(h, set()).add(worker_id)
+            owners = self._redis.get(h)
+            if owners is None:
+                owners = self._redis[h] = set()
+                self._set(h, _IN_REDIS)
+            owners.add(worker_id)
             return
         s = w.tier_set(tier)
         if tier == DEVICE and w.optimistic.pop(h, None) is not None:
@@ -231,26 +263,57 @@ class PrefixIndex:
             self.stats.optimistic_confirmed += 1
         elif h in s:
             return  # a repeated store changes nothing
-        s.add(h)
+        else:
+            self._add(w, tier, h)
         if tier in self.peer_tiers:
-            self._peer_holders[h] = self._peer_holders.get(h, 0) + 1
+            self._inc_peer(h)
 
     def _removed(self, w: _Worker, h: bytes, tier: str) -> None:
         if tier == REDIS:
             # One shared key: whoever saw it go, it is gone for everyone.
-            for wid in self._redis.pop(h, ()):
-                ow = self._workers.get(wid)
-                if ow is not None:
-                    ow.redis.discard(h)
+            owners = self._redis.pop(h, None)
+            if owners is not None:
+                self._clear(h, _IN_REDIS)
+                for wid in owners:
+                    ow = self._workers.get(wid)
+                    if ow is not None:
+                        ow.redis.discard(h)
             return
-        s = w.tier_set(tier)
-        if h not in s:
+        if h not in w.tier_set(tier):
             return  # stored before the stream we trust began
-        s.discard(h)
+        self._discard(w, tier, h)
         if tier == DEVICE and w.optimistic.pop(h, None) is not None:
             return  # was only a guess: never counted as a peer holding
         if tier in self.peer_tiers:
             self._dec_peer(h)
+
+    def _set(self, h: bytes, bits: int) -> None:
+        state = self._state
+        state[h] = state.get(h, 0) | bits
+
+    def _clear(self, h: bytes, bits: int) -> None:
+        state = self._state
+        m = state.get(h, 0) & ~bits
+        if m:
+            state[h] = m
+        else:
+            state.pop(h, None)
+
+    def _add(self, w: _Worker, tier: str, h: bytes) -> None:
+        """Add ``h`` to one of the worker's own tiers (device, host, peer) and its state."""
+        w.tier_set(tier).add(h)
+        self._set(h, _TIER_BIT[tier] << w.shift)
+
+    def _discard(self, w: _Worker, tier: str, h: bytes) -> None:
+        """Take ``h`` out of one of the worker's own tiers and its state (if it is there)."""
+        w.tier_set(tier).discard(h)
+        self._clear(h, _TIER_BIT[tier] << w.shift)
+
+    def _inc_peer(self, h: bytes) -> None:
+        n = self._peer_holders.get(h, 0)
+        self._peer_holders[h] = n + 1
+        if not n:
+            self._set(h, _AT_PEER)
 
     def _dec_peer(self, h: bytes) -> None:
         n = self._peer_holders[h] - 1
@@ -258,6 +321,7 @@ class PrefixIndex:
             self._peer_holders[h] = n
         else:
             del self._peer_holders[h]
+            self._clear(h, _AT_PEER)
 
     def _drop_pages(self, worker_id: WorkerId, w: _Worker, *, keep_optimistic: bool) -> None:
         """Forget what the worker's events said; optimistic entries stay when the same engine
@@ -273,12 +337,17 @@ class PrefixIndex:
                 owners.discard(worker_id)
                 if not owners:
                     del self._redis[h]
+                    self._clear(h, _IN_REDIS)
+        for tier in (DEVICE, HOST, PEER):
+            bits = _TIER_BIT[tier] << w.shift
+            for h in w.tier_set(tier):
+                self._clear(h, bits)
         w.host, w.peer, w.redis = set(), set(), set()
-        if keep_optimistic:
-            w.device = set(w.optimistic)
-        else:
-            w.device = set()
+        w.device = set()
+        if not keep_optimistic:
             w.optimistic = {}
+        for h in w.optimistic:
+            self._add(w, DEVICE, h)
         w.last_seq = -1
 
     # ----------------------------------------------------------------- optimistic entries
@@ -292,20 +361,20 @@ class PrefixIndex:
         Pages the worker already holds in device are left as they are. An unknown or
         resyncing worker gets entries too: the guess is about the request just sent there.
         """
-        w = self._workers.get(worker_id)
-        if w is None:
-            w = self._workers[worker_id] = _Worker()
+        w = self._worker(worker_id)
         now = self._clock()
         self._expire(w, now)
         expiry = now + self.optimistic_ttl_s
-        dev, opt = w.device, w.optimistic
+        dev, opt, state, bit = w.device, w.optimistic, self._state, _DEVICE_BIT << w.shift
         for h in page_hashes:
             if h in opt:
                 del opt[h]  # re-insert at the back: its expiry moves
-            elif h in dev:
-                continue
             else:
+                st = state.get(h, 0)
+                if st & bit:
+                    continue  # held for real
                 dev.add(h)
+                state[h] = st | bit
             opt[h] = expiry
             self.stats.optimistic_inserted += 1
 
@@ -316,7 +385,7 @@ class PrefixIndex:
             if expiry > now:
                 return
             del opt[h]
-            w.device.discard(h)
+            self._discard(w, DEVICE, h)
             self.stats.optimistic_expired += 1
 
     # ------------------------------------------------------------------------------ match
@@ -324,40 +393,55 @@ class PrefixIndex:
     def match(self, page_hashes: Sequence[bytes]) -> dict[WorkerId, Match]:
         """Pages each known worker could reuse from the start of the prompt, by tier.
 
-        Cost: per worker, a few set lookups per matched page plus one for the first miss.
+        Cost: a few dict lookups per prompt page up to the first page no worker can get,
+        plus per-worker work only where the set of holders changes along the prompt.
         Resyncing workers are included: their own tiers are empty but Redis and peer pages
         are still reachable from them. This method does not modify the index, except that it
         expires optimistic entries that are past their TTL.
         """
         now = self._clock()
-        redis, holders = self._redis, self._peer_holders
-        # shared[i]: page i is in Redis (1), at a peer (2), neither (0), not looked up (None).
-        # It does not depend on the worker (its own device and host are checked first, so a
-        # peer holder found here is another worker), so each page is looked up at most once.
-        shared: list[int | None] = [None] * len(page_hashes)
-        out: dict[WorkerId, Match] = {}
-        for wid, w in self._workers.items():
+        for w in self._workers.values():
             if w.optimistic:
                 self._expire(w, now)
-            dev, host, own_peer = w.device, w.host, w.peer
-            n_dev = n_host = n_redis = n_peer = 0
-            for i, h in enumerate(page_hashes):
-                if h in dev:
-                    n_dev += 1
-                elif h in host:
-                    n_host += 1
-                else:
-                    s = shared[i]
-                    if s is None:
-                        s = shared[i] = 1 if h in redis else 2 if h in holders else 0
-                    if s == 1:
-                        n_redis += 1
-                    elif s == 2 or h in own_peer:
-                        n_peer += 1
-                    else:
-                        break
-            if n_dev or n_host or n_redis or n_peer:
-                out[wid] = Match(n_dev, n_host, n_redis, n_peer)
-            else:
-                out[wid] = NO_MATCH
-        return out
+        get = self._state.get
+        # counts[wid] = [device, host, redis, peer]; a worker leaves `active` at its first miss
+        counts = {wid: [0, 0, 0, 0] for wid in self._workers}
+        active = [(w.shift, counts[wid]) for wid, w in self._workers.items()]
+        # A run of pages with the same packed state classifies every worker the same way, so
+        # it is credited in one go when the state changes.
+        prev = -1
+        run = 0
+        classes: list[tuple[list[int], int]] = []  # (counts of an active worker, its tier)
+        for h in page_hashes:
+            key = get(h, 0)
+            if key != prev:
+                for c, t in classes:
+                    c[t] += run
+                run = 0
+                prev = key
+                classes, still = [], []
+                if key:
+                    in_redis, at_peer = key & _IN_REDIS, key & _AT_PEER
+                    for item in active:
+                        own = (key >> item[0]) & 7
+                        # the cheapest tier this worker gets the page from; a peer holder
+                        # found here is another worker (its own tiers are checked first)
+                        if own & _DEVICE_BIT:
+                            t = 0
+                        elif own & _HOST_BIT:
+                            t = 1
+                        elif in_redis:
+                            t = 2
+                        elif at_peer or own & _PEER_BIT:
+                            t = 3
+                        else:
+                            continue  # first miss: this worker's run ends here
+                        classes.append((item[1], t))
+                        still.append(item)
+                active = still
+                if not active:
+                    break
+            run += 1
+        for c, t in classes:
+            c[t] += run
+        return {wid: Match(*c) if any(c) else NO_MATCH for wid, c in counts.items()}

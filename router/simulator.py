@@ -36,7 +36,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvmesh.kvstore.events import BlockRemoved, BlockStored
-from kvmesh.router.policies import POLICIES, RouteRequest, WorkerLoad, make_policy, route
+from kvmesh.router.policies import (
+    POLICIES,
+    LoadGuard,
+    RouteRequest,
+    WorkerLoad,
+    make_policy,
+    route,
+)
 from kvmesh.router.prefix_index import DEVICE, HOST, REDIS, PrefixIndex
 from kvmesh.router.profiles import DEFAULT_PROFILE, SimProfile, get_profile
 
@@ -169,6 +176,10 @@ class SimConfig:
     speed: float = 1.0
     seed: int = 0
     optimistic_ttl_s: float = 2.0
+    # The load guard's slack as time: a worker is overloaded when its queued prefill is more
+    # than this many seconds (at the profile's prefill rate) beyond the least-loaded
+    # worker's, and more than twice it. Time, not tokens, so it means the same on any profile.
+    guard_slack_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -181,6 +192,8 @@ class SimConfig:
             raise ValueError(f"host_capacity_tokens must be >= 0, got {self.host_capacity_tokens}")
         if not self.speed > 0:
             raise ValueError(f"speed must be > 0, got {self.speed}")
+        if self.guard_slack_s < 0:
+            raise ValueError(f"guard_slack_s must be >= 0, got {self.guard_slack_s}")
 
 
 @dataclass
@@ -352,7 +365,10 @@ def simulate(
     prof = cfg.profile
     now = 0.0
     index = PrefixIndex(optimistic_ttl_s=cfg.optimistic_ttl_s, peer_tiers=(), clock=lambda: now)
-    policy = make_policy(policy_name, cost=prof.cost_model(), rng=random.Random(cfg.seed))
+    guard = LoadGuard.from_seconds(cfg.guard_slack_s, prof.prefill_tokens_per_s)
+    policy = make_policy(
+        policy_name, cost=prof.cost_model(), guard=guard, rng=random.Random(cfg.seed)
+    )
     redis: set[bytes] | None = set() if cfg.redis else None
     workers = {}
     for i in range(cfg.workers):

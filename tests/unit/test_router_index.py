@@ -281,3 +281,81 @@ def test_optimistic_entries_survive_a_gap_but_not_a_restart():
     Feeder(idx, "w0", "new").store(B[3:4])  # a new engine: everything goes
     assert idx.num_pages("w0", "device") == 1
     assert idx.match(A)["w0"] == Match()
+
+
+def _reference_match(index: PrefixIndex, hashes) -> dict:
+    """The plain per-worker walk over the index's bookkeeping sets (the masks' meaning)."""
+    out = {}
+    for wid, w in index._workers.items():
+        n = [0, 0, 0, 0]
+        for h in hashes:
+            if h in w.device:
+                n[0] += 1
+            elif h in w.host:
+                n[1] += 1
+            elif h in index._redis:
+                n[2] += 1
+            elif h in index._peer_holders or h in w.peer:
+                n[3] += 1
+            else:
+                break
+        out[wid] = Match(*n)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_match_equals_a_per_worker_walk_under_random_events(seed):
+    # Random stores, removals, gaps, restarts, optimistic inserts, expiries and worker
+    # removals: the per-page worker masks must stay in step with the per-worker sets, and
+    # match must equal the straightforward per-worker walk.
+    import random
+
+    rng = random.Random(seed)
+    clock = Clock()
+    index = PrefixIndex(optimistic_ttl_s=1.0, clock=clock)
+    # a small universe of chained prompts sharing prefixes, so runs and tier changes overlap
+    prompts = [hash_pages([p % 3] * BS + list(range(p * 97, p * 97 + 11 * BS)), BS, FP)
+               for p in range(6)]  # fmt: skip
+    pages = [h for p in prompts for h in p]
+    seqs: dict[str, int] = {}
+    engines: dict[str, str] = {}
+    for _ in range(600):
+        wid = f"w{rng.randrange(5)}"
+        op = rng.random()
+        if op < 0.45:
+            tier = rng.choice(["device", "device", "host", "redis", "peer"])
+            cls = BlockStored if rng.random() < 0.7 else BlockRemoved
+            seq = seqs.get(wid, 0)
+            if rng.random() < 0.03:
+                seq += 2  # a gap
+            eng = engines.setdefault(wid, "e0")
+            if cls is BlockStored:
+                ev = BlockStored(seq, eng, rng.choice(pages), None, (), BS, tier)
+            else:
+                ev = BlockRemoved(seq, eng, rng.choice(pages), tier)
+            index.apply(wid, ev)
+            seqs[wid] = seq + 1
+        elif op < 0.6:
+            index.insert_optimistic(wid, prompts[rng.randrange(6)][: rng.randrange(1, 12)])
+        elif op < 0.63:
+            engines[wid] = f"e{rng.randrange(100)}"  # restart: next event starts at seq 0
+            seqs[wid] = 0
+        elif op < 0.65:
+            index.remove_worker(wid)
+            seqs[wid] = 0
+        else:
+            clock.t += rng.random() * 0.5
+        prompt = prompts[rng.randrange(6)][: rng.randrange(12)]
+        got = index.match(prompt)
+        assert got == _reference_match(index, prompt)
+        # the packed per-page state is exactly what the bookkeeping sets say
+        derived: dict[bytes, int] = {}
+        for h in index._redis:
+            derived[h] = derived.get(h, 0) | 1
+        for h in index._peer_holders:
+            derived[h] = derived.get(h, 0) | 2
+        for w in index._workers.values():
+            for bit, tier in ((1, "device"), (2, "host"), (4, "peer")):
+                for h in w.tier_set(tier):
+                    derived[h] = derived.get(h, 0) | bit << w.shift
+        assert index._state == derived

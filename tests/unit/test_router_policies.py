@@ -86,12 +86,28 @@ def test_tier_credit_orders_device_host_redis_peer():
 
 
 def test_queued_work_outweighs_a_small_cache_hit():
-    pol = make_policy("prefix_affinity", rng=random.Random(0))
+    cost = CostModel(queue_weight=1.0)
+    pol = make_policy("prefix_affinity", cost=cost, rng=random.Random(0))
     loads = {"w0": WorkerLoad(queued_prefill_tokens=2000), "w1": IDLE}
     d = pol.pick(REQ, {"w0": Match(device=64)}, loads)
     assert d.worker_id == "w1"  # 2,000 queued > 1,024 to compute
     loads["w0"] = WorkerLoad(queued_prefill_tokens=500)
     assert pol.pick(REQ, {"w0": Match(device=64)}, loads).worker_id == "w0"
+
+
+def test_queue_weight_scales_queued_work_against_recompute():
+    # Default 0.1: 2,000 queued tokens weigh 200, less than the 1,024 a cold worker would
+    # recompute, so affinity holds; past 10x the hit (and within the guard) it moves.
+    pol = make_policy("prefix_affinity", rng=random.Random(0))
+    loads = {"w0": WorkerLoad(queued_prefill_tokens=2000), "w1": IDLE}
+    d = pol.pick(REQ, {"w0": Match(device=64)}, loads)
+    assert d.worker_id == "w0" and d.score("w0").total == pytest.approx(200.0)
+    assert d.score("w0").load == 2000  # the unweighted load is what the guard judges
+    pol = make_policy("prefix_affinity", guard=LoadGuard(slack_tokens=1e9), rng=random.Random(0))
+    loads["w0"] = WorkerLoad(queued_prefill_tokens=11_000)
+    assert pol.pick(REQ, {"w0": Match(device=64)}, loads).worker_id == "w1"
+    with pytest.raises(ValueError, match="queue_weight"):
+        CostModel(queue_weight=-1)
 
 
 def test_decode_load_counts_per_running_sequence():
