@@ -8,13 +8,15 @@ rules (tiers, sequence numbers and resync, optimistic entries).
 Layout, chosen so ``match`` costs a few dict lookups per prompt page, whatever the number of
 workers:
 - per worker: one set of page hashes per own tier (device, host, peer), plus the optimistic
-  device entries (also in the device set) with their expiry. These sets are the bookkeeping
-  (what to drop on a resync, ``num_pages``);
+  device entries with their expiry. These are the bookkeeping (what to drop on a resync,
+  ``num_pages``);
 - shared: Redis pages (visible to every worker) with the workers that reported them, and a
   count of how many live workers hold each page in a peer-fetchable tier;
 - per page, one int packing all of that: bit 0 "in Redis", bit 1 "a live peer holds it",
   then three bits per worker slot (own device, own host, own peer). One dict lookup per page
-  tells every worker's tier at once.
+  tells every worker's tier at once. Optimistic device pages have their own small dict of
+  the same shape (page -> device bits), so routing a 1,024-page prompt touches small tables
+  only; ``match`` ORs the two.
 ``match`` walks the prompt once, and does per-worker work only where a page's packed state
 differs from the previous page's (usually a handful of times per prompt).
 """
@@ -80,11 +82,11 @@ class _Worker:
     engine_id: str | None = None
     last_seq: int = -1
     resyncing: bool = True
-    device: set[bytes] = field(default_factory=set)
+    device: set[bytes] = field(default_factory=set)  # real pages; optimistic ones are apart
     host: set[bytes] = field(default_factory=set)
     peer: set[bytes] = field(default_factory=set)  # pages it reported in tier "peer"
     redis: set[bytes] = field(default_factory=set)  # pages it reported to Redis
-    # Optimistic device pages (also in ``device``) -> expiry time. Insertion order is expiry
+    # Optimistic device pages (never also in ``device``) -> expiry time. Insertion order is expiry
     # order (constant TTL, monotonic clock), so they expire from the front.
     optimistic: dict[bytes, float] = field(default_factory=dict)
 
@@ -137,6 +139,8 @@ class PrefixIndex:
         self._next_shift = 2
         # page -> packed state (see the module docstring); absent when nobody has the page
         self._state: dict[bytes, int] = {}
+        # page -> device bits of the workers holding it optimistically
+        self._opt_state: dict[bytes, int] = {}
         # page -> workers that reported it stored in Redis. One Redis key serves everyone.
         self._redis: dict[bytes, set[WorkerId]] = {}
         # page -> number of (live worker, peer tier) holdings, from real events only: an
@@ -196,7 +200,10 @@ class PrefixIndex:
         if tier not in TIERS:
             raise ValueError(f"unknown tier {tier!r}; accepted: {', '.join(TIERS)}")
         w = self._workers.get(worker_id)
-        return 0 if w is None else len(w.tier_set(tier))
+        if w is None:
+            return 0
+        n = len(w.tier_set(tier))
+        return n + len(w.optimistic) if tier == DEVICE else n
 
     # --------------------------------------------------------------------------- events
 
@@ -257,14 +264,13 @@ class PrefixIndex:
                 self._set(h, _IN_REDIS)
             owners.add(worker_id)
             return
-        s = w.tier_set(tier)
         if tier == DEVICE and w.optimistic.pop(h, None) is not None:
             # The guess came true: the page is now real, so peers may fetch it.
+            self._clear_opt(w, h)
             self.stats.optimistic_confirmed += 1
-        elif h in s:
+        elif h in w.tier_set(tier):
             return  # a repeated store changes nothing
-        else:
-            self._add(w, tier, h)
+        self._add(w, tier, h)
         if tier in self.peer_tiers:
             self._inc_peer(h)
 
@@ -279,11 +285,12 @@ class PrefixIndex:
                     if ow is not None:
                         ow.redis.discard(h)
             return
+        if tier == DEVICE and w.optimistic.pop(h, None) is not None:
+            self._clear_opt(w, h)
+            return  # was only a guess: never counted as a peer holding
         if h not in w.tier_set(tier):
             return  # stored before the stream we trust began
         self._discard(w, tier, h)
-        if tier == DEVICE and w.optimistic.pop(h, None) is not None:
-            return  # was only a guess: never counted as a peer holding
         if tier in self.peer_tiers:
             self._dec_peer(h)
 
@@ -298,6 +305,14 @@ class PrefixIndex:
             state[h] = m
         else:
             state.pop(h, None)
+
+    def _clear_opt(self, w: _Worker, h: bytes) -> None:
+        opt_state = self._opt_state
+        m = opt_state[h] & ~(_DEVICE_BIT << w.shift)
+        if m:
+            opt_state[h] = m
+        else:
+            del opt_state[h]
 
     def _add(self, w: _Worker, tier: str, h: bytes) -> None:
         """Add ``h`` to one of the worker's own tiers (device, host, peer) and its state."""
@@ -329,8 +344,7 @@ class PrefixIndex:
         """
         for tier in self.peer_tiers:
             for h in w.tier_set(tier):
-                if not (tier == DEVICE and h in w.optimistic):
-                    self._dec_peer(h)
+                self._dec_peer(h)
         for h in w.redis:
             owners = self._redis.get(h)
             if owners is not None:
@@ -342,12 +356,11 @@ class PrefixIndex:
             bits = _TIER_BIT[tier] << w.shift
             for h in w.tier_set(tier):
                 self._clear(h, bits)
-        w.host, w.peer, w.redis = set(), set(), set()
-        w.device = set()
+        w.device, w.host, w.peer, w.redis = set(), set(), set(), set()
         if not keep_optimistic:
+            for h in w.optimistic:
+                self._clear_opt(w, h)
             w.optimistic = {}
-        for h in w.optimistic:
-            self._add(w, DEVICE, h)
         w.last_seq = -1
 
     # ----------------------------------------------------------------- optimistic entries
@@ -365,18 +378,19 @@ class PrefixIndex:
         now = self._clock()
         self._expire(w, now)
         expiry = now + self.optimistic_ttl_s
-        dev, opt, state, bit = w.device, w.optimistic, self._state, _DEVICE_BIT << w.shift
+        opt, bit = w.optimistic, _DEVICE_BIT << w.shift
+        get, opt_state = self._state.get, self._opt_state
+        n = 0
         for h in page_hashes:
             if h in opt:
                 del opt[h]  # re-insert at the back: its expiry moves
+            elif get(h, 0) & bit:
+                continue  # held for real
             else:
-                st = state.get(h, 0)
-                if st & bit:
-                    continue  # held for real
-                dev.add(h)
-                state[h] = st | bit
+                opt_state[h] = opt_state.get(h, 0) | bit
             opt[h] = expiry
-            self.stats.optimistic_inserted += 1
+            n += 1
+        self.stats.optimistic_inserted += n
 
     def _expire(self, w: _Worker, now: float) -> None:
         opt = w.optimistic
@@ -385,7 +399,7 @@ class PrefixIndex:
             if expiry > now:
                 return
             del opt[h]
-            self._discard(w, DEVICE, h)
+            self._clear_opt(w, h)
             self.stats.optimistic_expired += 1
 
     # ------------------------------------------------------------------------------ match
@@ -403,7 +417,7 @@ class PrefixIndex:
         for w in self._workers.values():
             if w.optimistic:
                 self._expire(w, now)
-        get = self._state.get
+        get, opt_get = self._state.get, self._opt_state.get
         # counts[wid] = [device, host, redis, peer]; a worker leaves `active` at its first miss
         counts = {wid: [0, 0, 0, 0] for wid in self._workers}
         active = [(w.shift, counts[wid]) for wid, w in self._workers.items()]
@@ -413,7 +427,7 @@ class PrefixIndex:
         run = 0
         classes: list[tuple[list[int], int]] = []  # (counts of an active worker, its tier)
         for h in page_hashes:
-            key = get(h, 0)
+            key = get(h, 0) | opt_get(h, 0)
             if key != prev:
                 for c, t in classes:
                     c[t] += run

@@ -289,7 +289,7 @@ def _reference_match(index: PrefixIndex, hashes) -> dict:
     for wid, w in index._workers.items():
         n = [0, 0, 0, 0]
         for h in hashes:
-            if h in w.device:
+            if h in w.device or h in w.optimistic:
                 n[0] += 1
             elif h in w.host:
                 n[1] += 1
@@ -359,3 +359,9 @@ def test_match_equals_a_per_worker_walk_under_random_events(seed):
                 for h in w.tier_set(tier):
                     derived[h] = derived.get(h, 0) | bit << w.shift
         assert index._state == derived
+        opt: dict[bytes, int] = {}
+        for w in index._workers.values():
+            assert not (w.device & w.optimistic.keys())
+            for h in w.optimistic:
+                opt[h] = opt.get(h, 0) | 1 << w.shift
+        assert index._opt_state == opt
