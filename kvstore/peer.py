@@ -1,5 +1,6 @@
 """Pages between workers: the KVTransfer framing, the PageSource a server serves from, and
-PeerTier, the tier that reads another worker's pages over gRPC.
+PeerTier, the tier that reads another worker's pages: over the peer's raw-TCP data plane
+(``kvstore.dataplane``) when it offers one, else over gRPC ``Fetch``.
 
 On the wire a page is its encoded page object (``kvstore.codec``), cut into ``PagePiece``s so
 that no ``PageChunk`` message exceeds 1 MiB. Each piece carries the object's total size and
@@ -20,6 +21,8 @@ from typing import Protocol, runtime_checkable
 import grpc
 
 from kvmesh.kvstore.codec import PageCodecError, PageSpec, decode, read_header
+from kvmesh.kvstore.dataplane import TOKEN_BYTES, DataPlaneClient
+from kvmesh.kvstore.dataplane import VERSION as DATA_PLANE_VERSION
 from kvmesh.kvstore.hashing import PAGE_HASH_BYTES
 from kvmesh.kvstore.tier import Tier
 from kvmesh.protos.kvmesh.v1 import kv_transfer_pb2 as pb
@@ -34,6 +37,9 @@ MAX_PAGE_BYTES = 1 << 30  # a receiver refuses to buffer an object claiming more
 _EMBED = 6
 _DATA_FIELD = 6
 _MIN_PIECE_DATA = 4096  # start a new chunk rather than send a sliver of an object
+# how long a peer's "no data plane" (or a data plane that failed before any page) holds
+# before PeerTier asks its DataPlane RPC again
+DATA_PLANE_RECHECK_S = 10.0
 
 
 def crc32(obj: bytes | memoryview) -> int:
@@ -232,10 +238,18 @@ class PeerTier(Tier):
     """Other workers' pages, read over their KVTransfer service.
 
     ``contains`` asks each peer's ``Lookup`` for what the peers before it did not have;
-    ``get`` does the same with ``Fetch`` and reassembles the chunks. A peer that fails
-    (unreachable, deadline, a broken stream) gives misses, never an exception: one warning
-    per incident (the next after it has answered again), ``metrics["errors"]`` counts every
-    failed call, and the peer is skipped for ``cooldown_s`` so a dead address costs no time.
+    ``get`` does the same, over the peer's data plane (a plain TCP connection the
+    ``DataPlane`` RPC names; kept open between calls) when it offers one and ``data_plane``
+    is on, else with ``Fetch``. A data plane that fails before any page arrived (refused,
+    closed, a stale token after a restart) is not used for ``DATA_PLANE_RECHECK_S`` and the
+    call goes to ``Fetch``. A peer that fails (unreachable, deadline, a broken stream, on
+    either path) gives misses, never an exception: pages that arrived whole are kept, one
+    warning per incident (the next after it has answered again), ``metrics["errors"]``
+    counts every failed call, and the peer is skipped for ``cooldown_s`` so a dead address
+    costs no time. ``metrics["data_plane_pages"]`` / ``["grpc_pages"]`` count the pages
+    each path delivered. Objects from the data plane are memoryviews into a reused receive
+    pool (bytes-like, read by ``codec.decode`` as is; see ``DataPlaneClient``), those from
+    ``Fetch`` are ``bytes``.
 
     ``put`` pushes to the first peer when ``push_on_put`` (off by default: a worker's spill
     belongs in its own tiers); ``evict`` is a no-op (another worker's cache is its own).
@@ -253,6 +267,8 @@ class PeerTier(Tier):
         push_on_put: bool = False,
         max_message_mb: int = 64,
         credentials: grpc.ChannelCredentials | None = None,
+        data_plane: bool = True,
+        max_page_bytes: int = MAX_PAGE_BYTES,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
@@ -263,6 +279,8 @@ class PeerTier(Tier):
         self.timeout = timeout
         self.cooldown_s = cooldown_s
         self.push_on_put = push_on_put
+        self.data_plane = data_plane
+        self.max_page_bytes = max_page_bytes
         self._clock = clock
         limit = max_message_mb * 2**20
         options = [
@@ -282,6 +300,8 @@ class PeerTier(Tier):
         self._lock = threading.Lock()
         self._failing_until: dict[str, float] = {}  # address -> end of its cooldown
         self._failing: set[str] = set()  # addresses in an incident (warned once)
+        self._dp: dict[str, DataPlaneClient] = {}  # address -> its data plane, once known
+        self._dp_recheck_at: dict[str, float] = {}  # address -> when to ask DataPlane again
         self.metrics: dict[str, int] = {
             "hits": 0,
             "misses": 0,
@@ -289,6 +309,9 @@ class PeerTier(Tier):
             "corrupt": 0,
             "errors": 0,
             "pushed": 0,
+            "data_plane_pages": 0,
+            "grpc_pages": 0,
+            "data_plane_fallbacks": 0,
         }
 
     # ------------------------------------------------------------ Tier
@@ -315,18 +338,18 @@ class PeerTier(Tier):
             pending = [i for i in pending if not found[i]]
         return found
 
-    def get(self, hashes: Sequence[bytes]) -> list[bytes | None]:
-        out: list[bytes | None] = [None] * len(hashes)
+    def get(self, hashes: Sequence[bytes]) -> list[bytes | memoryview | None]:
+        out: list[bytes | memoryview | None] = [None] * len(hashes)
         pending = list(range(len(hashes)))
         for addr, stub in self._peers():
             if not pending:
                 break
             asked = [hashes[i] for i in pending]
-            got, error = self._fetch(stub, asked)
+            got, error, what = self._fetch_any(addr, stub, asked)
             for j, obj in got.items():
                 out[pending[j]] = obj
             if error is not None:
-                self._fault(addr, "Fetch", error)
+                self._fault(addr, what, error)
             else:
                 self._ok(addr)
             pending = [i for i in pending if out[i] is None]
@@ -346,8 +369,25 @@ class PeerTier(Tier):
         return None
 
     def close(self) -> None:
+        with self._lock:
+            clients, self._dp = list(self._dp.values()), {}
+        for client in clients:
+            client.close()
         for ch in self._channels:
             ch.close()
+
+    def transport(self, peer: int = 0) -> str:
+        """How ``get`` reaches that peer now: ``"data_plane"`` or ``"grpc"`` (before the
+        first ``get``, what the peer's ``DataPlane`` RPC would make it; no fault is
+        recorded)."""
+        addr = self.addresses[peer]
+        if not self.data_plane:
+            return "grpc"
+        with self._lock:
+            if addr in self._dp:
+                return "data_plane"
+        client, _ = self._data_plane_client(addr, self._stubs[peer])
+        return "data_plane" if client is not None else "grpc"
 
     # ------------------------------------------------------------ beyond Tier
 
@@ -375,13 +415,97 @@ class PeerTier(Tier):
             if not skip:
                 yield addr, stub
 
+    def _fetch_any(
+        self, addr: str, stub: pb_grpc.KVTransferStub, hashes: list[bytes]
+    ) -> tuple[dict[int, bytes | memoryview], Exception | None, str]:
+        """One peer's objects by position, the fault that ended the call early (if any) and
+        what failed: over the data plane when the peer has one, else (or when the data plane
+        failed before any page arrived) with Fetch."""
+        if self.data_plane:
+            client, error = self._data_plane_client(addr, stub)
+            if error is not None:
+                return {}, error, "DataPlane"
+            if client is not None:
+                res = client.fetch(hashes, self.timeout)
+                with self._lock:
+                    self.metrics["data_plane_pages"] += len(res.objects)
+                if res.error is None:
+                    return res.objects, None, "data plane"
+                self._forget_data_plane(addr, client, recheck_s=0.0 if res.answered else None)
+                if not res.may_retry_elsewhere:
+                    return res.objects, res.error, "data plane"
+                with self._lock:
+                    self.metrics["data_plane_fallbacks"] += 1
+                logger.info(
+                    "peer %s: data plane failed before any page (%s); using Fetch", addr, res.error
+                )
+        got, error = self._fetch(stub, hashes)
+        with self._lock:
+            self.metrics["grpc_pages"] += len(got)
+        return got, error, "Fetch"
+
+    def _data_plane_client(
+        self, addr: str, stub: pb_grpc.KVTransferStub
+    ) -> tuple[DataPlaneClient | None, Exception | None]:
+        """The peer's data-plane client, asking its ``DataPlane`` RPC when not known yet;
+        ``(None, None)``: it has none (or had one that failed lately), use Fetch."""
+        with self._lock:
+            client = self._dp.get(addr)
+            if client is not None:
+                return client, None
+            if self._dp_recheck_at.get(addr, 0.0) > self._clock():
+                return None, None
+        host = _host_of(addr)
+        if host is None:  # not host:port (a unix socket, a resolver URI): gRPC only
+            return None, None
+        try:
+            info = stub.DataPlane(
+                pb.DataPlaneRequest(version=DATA_PLANE_VERSION), timeout=self.timeout
+            )
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # a worker older than the data plane
+                return self._no_data_plane(addr), None
+            return None, e
+        if not info.port or info.version != DATA_PLANE_VERSION or len(info.token) != TOKEN_BYTES:
+            return self._no_data_plane(addr), None
+        client = DataPlaneClient(
+            host,
+            info.port,
+            info.token,
+            max_pages=info.max_pages or 1,
+            connect_timeout=min(self.timeout, 2.0),
+            max_object_bytes=self.max_page_bytes,
+        )
+        with self._lock:
+            if self._dp.setdefault(addr, client) is not client:  # another thread won
+                client.close()
+                client = self._dp[addr]
+        return client, None
+
+    def _no_data_plane(self, addr: str) -> None:
+        with self._lock:
+            self._dp_recheck_at[addr] = self._clock() + DATA_PLANE_RECHECK_S
+        return None
+
+    def _forget_data_plane(
+        self, addr: str, client: DataPlaneClient, recheck_s: float | None
+    ) -> None:
+        """Drop a data plane that failed; ask the peer again after ``recheck_s`` (default
+        ``DATA_PLANE_RECHECK_S``), so a restarted peer's new port and token are learnt."""
+        with self._lock:
+            if self._dp.get(addr) is client:
+                del self._dp[addr]
+            wait = DATA_PLANE_RECHECK_S if recheck_s is None else recheck_s
+            self._dp_recheck_at[addr] = self._clock() + wait
+        client.close()
+
     def _fetch(
         self, stub: pb_grpc.KVTransferStub, hashes: list[bytes]
     ) -> tuple[dict[int, bytes], Exception | None]:
         """The complete, intact objects of one Fetch by position, and the fault if the call
         failed part-way (what arrived before it is kept: every object is CRC-checked)."""
         got: dict[int, bytes] = {}
-        asm = PageAssembler()
+        asm = PageAssembler(self.max_page_bytes)
         call = stub.Fetch(pb.FetchRequest(hashes=hashes), timeout=self.timeout)
         try:
             for chunk in call:
@@ -401,8 +525,14 @@ class PeerTier(Tier):
         return got, None
 
     def _fault(self, addr: str, what: str, err: Exception) -> None:
-        detail = err.details() if isinstance(err, grpc.RpcError) else str(err)
-        code = err.code().name if isinstance(err, grpc.RpcError) else "BAD_REPLY"
+        if isinstance(err, grpc.RpcError):
+            code, detail = err.code().name, err.details()
+        elif isinstance(err, TimeoutError):  # the data plane's deadline, named as gRPC's
+            code, detail = "DEADLINE_EXCEEDED", str(err) or f"no answer within {self.timeout}s"
+        elif isinstance(err, OSError):  # the data plane's connection: refused, reset, closed
+            code, detail = "UNAVAILABLE", str(err)
+        else:
+            code, detail = "BAD_REPLY", str(err)
         with self._lock:
             self.metrics["errors"] += 1
             self._failing_until[addr] = self._clock() + self.cooldown_s
@@ -421,6 +551,16 @@ class PeerTier(Tier):
                 self._failing.discard(addr)
                 self._failing_until.pop(addr, None)
             logger.info("peer %s answers again", addr)
+
+
+def _host_of(address: str) -> str | None:
+    """The host of a ``host:port`` or ``[v6]:port`` gRPC target; None for other targets."""
+    if "/" in address or address.startswith("unix:"):
+        return None
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return None
+    return host.strip("[]")
 
 
 def check_hashes(hashes: Sequence[bytes]) -> None:

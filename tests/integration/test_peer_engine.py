@@ -1,6 +1,6 @@
-"""Two worker servers on loopback: B serves a prefix A computed by pulling A's pages over
-``KVTransfer.Fetch``, with output identical to a cold run; A dying mid-fetch only means B
-computes more."""
+"""Two worker servers on loopback: B serves a prefix A computed by pulling A's pages over A's
+page data plane (PeerTier's default; ``KVTransfer.Fetch`` when B is told not to use it), with
+output identical to a cold run; A dying mid-fetch only means B computes more."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def cluster():
     b_engine = LLMEngine("smollm2-135m-instruct", kv_cache_memory="128MiB", extra_tiers=[peer])
     b = WorkerServer(b_engine)
     b.start_in_thread()
-    yield a, b, source
+    yield a, b, source, peer
     b.stop_in_thread(grace=0)
     a.stop_in_thread(grace=0)
 
@@ -73,7 +73,7 @@ def _computed(server: WorkerServer) -> int:
 
 
 def test_b_pulls_a_prefix_from_a(cluster, prompts, reference):
-    a, b, _ = cluster
+    a, b, _, peer = cluster
     with Client(a.address) as ca, Client(b.address) as cb:
         on_a = ca.generate_text(prompts[0], **GREEDY)
         assert on_a.token_ids == reference[0]
@@ -84,6 +84,8 @@ def test_b_pulls_a_prefix_from_a(cluster, prompts, reference):
     assert on_b.token_ids == reference[0]  # identical to a cold run
     assert _computed(b) - before == 1030 - 1024 + GREEDY["max_tokens"] - 1  # only the rest
     assert on_b.worker_id != on_a.worker_id
+    # the pages came over A's data plane, not over gRPC
+    assert peer.metrics["data_plane_pages"] >= 1008 // 16 and peer.metrics["grpc_pages"] == 0
 
 
 def test_a_request_naming_a_peer_pulls_its_pages(cluster, prompts, reference, shakespeare):
@@ -93,7 +95,7 @@ def test_a_request_naming_a_peer_pulls_its_pages(cluster, prompts, reference, sh
     from kvmesh.protos.kvmesh.v1 import inference_pb2 as ipb
     from kvmesh.protos.kvmesh.v1 import inference_pb2_grpc as ipb_grpc
 
-    a, _, _ = cluster
+    a, _, _, _ = cluster
     c = LLMEngine("smollm2-135m-instruct", kv_cache_memory="128MiB")  # no tiers at all
     server = WorkerServer(c)
     server.start_in_thread()
@@ -113,8 +115,26 @@ def test_a_request_naming_a_peer_pulls_its_pages(cluster, prompts, reference, sh
     assert msgs[-1].usage.cached_tokens_by_tier["peer"] >= 1008
 
 
+def test_a_static_peer_without_the_data_plane_serves_over_fetch(cluster, prompts, reference):
+    """B2 reads A through gRPC Fetch only: the same prefix, the same tokens."""
+    a, _, _, _ = cluster
+    grpc_only = PeerTier([a.address], timeout=30.0, data_plane=False)
+    b2 = LLMEngine("smollm2-135m-instruct", kv_cache_memory="128MiB", extra_tiers=[grpc_only])
+    server = WorkerServer(b2)
+    server.start_in_thread()
+    try:
+        with Client(server.address) as c:
+            out = c.generate_text(prompts[0], **GREEDY)  # A computed it in the first test
+    finally:
+        server.stop_in_thread(grace=0)
+    assert out.token_ids == reference[0]
+    assert out.usage.cached_tokens_by_tier["peer"] >= 1008
+    assert grpc_only.metrics["grpc_pages"] >= 1008 // 16
+    assert grpc_only.metrics["data_plane_pages"] == 0
+
+
 def test_a_killed_mid_fetch_means_recompute_on_b(cluster, prompts, reference):
-    a, b, source = cluster
+    a, b, source, peer = cluster
     with Client(a.address) as ca:
         assert ca.generate_text(prompts[1], **GREEDY).token_ids == reference[1]
     source.delay_s = 2.0
@@ -133,3 +153,4 @@ def test_a_killed_mid_fetch_means_recompute_on_b(cluster, prompts, reference):
     out = result["out"]
     assert out.token_ids == reference[1]  # not an error: B computed what it could not fetch
     assert out.usage.cached_tokens_by_tier.get("peer", 0) < 1008
+    assert peer.metrics["errors"] >= 1

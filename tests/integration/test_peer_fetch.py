@@ -1,6 +1,6 @@
 """KVTransfer over real loopback sockets, served from a HostTier: pages bigger than a chunk
 round-trip byte-identical, Push validates before storing, and PeerTier turns a dead peer into
-misses (one warning per incident) instead of errors."""
+misses (one warning per incident) instead of errors, over the data plane and over Fetch."""
 
 from __future__ import annotations
 
@@ -46,6 +46,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture(params=[True, False], ids=["data_plane", "grpc"])
+def data_plane(request) -> bool:
+    """PeerTier's transport: the worker's raw-TCP data plane, or gRPC Fetch only."""
+    return request.param
+
+
+def transport_pages(peer: PeerTier) -> int:
+    """Pages delivered over the transport the test asked for (the other one delivers none)."""
+    used, unused = ("data_plane_pages", "grpc_pages")
+    if not peer.data_plane:
+        used, unused = unused, used
+    assert peer.metrics[unused] == 0, peer.metrics
+    return peer.metrics[used]
 
 
 @pytest.fixture(scope="module")
@@ -149,15 +164,15 @@ def test_push_with_a_torn_object_rejects_it(host, stub):
     assert host.contains([h(13), h(14)]) == [False, False]
 
 
-def test_peer_tier_contains_and_get_against_a_live_peer(host, server):
+def test_peer_tier_contains_and_get_against_a_live_peer(host, server, data_plane):
     objs = {i: page(i) for i in (20, 21)}
     host.put([(h(i), o) for i, o in objs.items()])
-    peer = PeerTier(server.address)
+    peer = PeerTier(server.address, data_plane=data_plane)
     try:
         assert peer.contains([h(20), h(97), h(21)]) == [True, False, True]
         assert peer.get([h(21), h(97), h(20)]) == [objs[21], None, objs[20]]
         assert peer.metrics["hits"] == 2 and peer.metrics["misses"] == 1
-        assert peer.metrics["errors"] == 0
+        assert peer.metrics["errors"] == 0 and transport_pages(peer) == 2
         peer.put([(h(22), page(22))])  # no push unless asked for
         peer.evict([h(20)])  # another worker's cache is not ours to evict
         assert host.contains([h(22), h(20)]) == [False, True]
@@ -165,10 +180,10 @@ def test_peer_tier_contains_and_get_against_a_live_peer(host, server):
         peer.close()
 
 
-def test_dead_peer_is_misses_with_one_warning(caplog, host, server):
+def test_dead_peer_is_misses_with_one_warning(caplog, host, server, data_plane):
     host.put([(h(30), page(30))])
     dead = f"127.0.0.1:{free_port()}"
-    peer = PeerTier([dead, server.address], timeout=2.0, cooldown_s=0.0)
+    peer = PeerTier([dead, server.address], timeout=2.0, cooldown_s=0.0, data_plane=data_plane)
     try:
         with caplog.at_level(logging.WARNING, logger="kvmesh.kvstore.peer"):
             for _ in range(3):
@@ -176,10 +191,10 @@ def test_dead_peer_is_misses_with_one_warning(caplog, host, server):
                 assert peer.get([h(30)]) == [host.get([h(30)])[0]]
         warnings = [r for r in caplog.records if dead in r.getMessage()]
         assert len(warnings) == 1
-        assert peer.metrics["errors"] == 6
+        assert peer.metrics["errors"] == 6 and transport_pages(peer) == 3
     finally:
         peer.close()
-    lone = PeerTier(dead, timeout=1.0)
+    lone = PeerTier(dead, timeout=1.0, data_plane=data_plane)
     try:
         assert lone.contains([h(30)]) == [False]
         assert lone.get([h(30), h(31)]) == [None, None]  # in cooldown: not even asked
@@ -223,28 +238,28 @@ def faulty():
     srv.stop_in_thread(grace=0)
 
 
-def test_a_peer_past_its_deadline_is_a_miss(faulty, caplog):
+def test_a_peer_past_its_deadline_is_a_miss(faulty, caplog, data_plane):
     tier, source, address = faulty
     tier.put([(h(50), page(50))])
     source.delay = 1.5
-    peer = PeerTier(address, timeout=0.3)
+    peer = PeerTier(address, timeout=0.3, data_plane=data_plane)
     try:
         with caplog.at_level(logging.WARNING, logger="kvmesh.kvstore.peer"):
             t0 = time.monotonic()
             assert peer.get([h(50)]) == [None]
             assert time.monotonic() - t0 < 1.2
-        assert peer.metrics["errors"] == 1
+        assert peer.metrics["errors"] == 1 and peer.metrics["data_plane_fallbacks"] == 0
         assert any("DEADLINE_EXCEEDED" in r.getMessage() for r in caplog.records)
     finally:
         peer.close()
 
 
-def test_pages_that_arrived_before_a_fault_are_kept(faulty):
+def test_pages_that_arrived_before_a_fault_are_kept(faulty, data_plane):
     tier, source, address = faulty
     small = {i: bytes([i]) * 2000 for i in range(60, 100)}  # 40 pages: two source batches
     tier.put([(h(i), o) for i, o in small.items()])
     source.ok_calls = 1  # the second batch fails on the server: INTERNAL mid-stream
-    peer = PeerTier(address)
+    peer = PeerTier(address, data_plane=data_plane)
     try:
         got = peer.get([h(i) for i in small])
     finally:
@@ -252,13 +267,14 @@ def test_pages_that_arrived_before_a_fault_are_kept(faulty):
     first = len([g for g in got if g is not None])
     assert 0 < first < len(small)
     assert got[:first] == [small[60 + j] for j in range(first)]
-    assert peer.metrics["errors"] == 1
+    assert got[first:] == [None] * (len(small) - first)
+    assert peer.metrics["errors"] == 1 and transport_pages(peer) == first
 
 
-def test_a_worker_without_a_page_store():
+def test_a_worker_without_a_page_store(data_plane):
     srv = WorkerServer()  # neither engine nor page source: every page is a miss
     srv.start_in_thread()
-    peer = PeerTier(srv.address)
+    peer = PeerTier(srv.address, data_plane=data_plane)
     try:
         assert peer.contains([h(1), h(2)]) == [False, False]
         assert peer.get([h(1)]) == [None] and peer.metrics["errors"] == 0

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvmesh/v1/kv_transfer.proto\x12\tkvmesh.v1\"\x1f\n\rLookupRequest\x12\x0e\n\x06hashes\x18\x01 \x03(\x0c\"\x1f\n\x0eLookupResponse\x12\r\n\x05tiers\x18\x01 \x03(\t\"\x1e\n\x0c\x46\x65tchRequest\x12\x0e\n\x06hashes\x18\x01 \x03(\x0c\"x\n\tPagePiece\x12\x0c\n\x04hash\x18\x01 \x01(\x0c\x12\r\n\x05index\x18\x02 \x01(\r\x12\r\n\x05\x66ound\x18\x03 \x01(\x08\x12\x12\n\ntotal_size\x18\x04 \x01(\x04\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x07 \x01(\x07\"1\n\tPageChunk\x12$\n\x06pieces\x18\x01 \x03(\x0b\x32\x14.kvmesh.v1.PagePiece\"2\n\x0cPushResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x10\n\x08rejected\x18\x02 \x01(\r2\xbe\x01\n\nKVTransfer\x12=\n\x06Lookup\x12\x18.kvmesh.v1.LookupRequest\x1a\x19.kvmesh.v1.LookupResponse\x12\x38\n\x05\x46\x65tch\x12\x17.kvmesh.v1.FetchRequest\x1a\x14.kvmesh.v1.PageChunk0\x01\x12\x37\n\x04Push\x12\x14.kvmesh.v1.PageChunk\x1a\x17.kvmesh.v1.PushResponse(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvmesh/v1/kv_transfer.proto\x12\tkvmesh.v1\"\x1f\n\rLookupRequest\x12\x0e\n\x06hashes\x18\x01 \x03(\x0c\"\x1f\n\x0eLookupResponse\x12\r\n\x05tiers\x18\x01 \x03(\t\"\x1e\n\x0c\x46\x65tchRequest\x12\x0e\n\x06hashes\x18\x01 \x03(\x0c\"x\n\tPagePiece\x12\x0c\n\x04hash\x18\x01 \x01(\x0c\x12\r\n\x05index\x18\x02 \x01(\r\x12\r\n\x05\x66ound\x18\x03 \x01(\x08\x12\x12\n\ntotal_size\x18\x04 \x01(\x04\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x07 \x01(\x07\"1\n\tPageChunk\x12$\n\x06pieces\x18\x01 \x03(\x0b\x32\x14.kvmesh.v1.PagePiece\"2\n\x0cPushResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x10\n\x08rejected\x18\x02 \x01(\r\"#\n\x10\x44\x61taPlaneRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\"P\n\rDataPlaneInfo\x12\x0c\n\x04port\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\x0c\x12\x0f\n\x07version\x18\x03 \x01(\r\x12\x11\n\tmax_pages\x18\x04 \x01(\r2\x82\x02\n\nKVTransfer\x12=\n\x06Lookup\x12\x18.kvmesh.v1.LookupRequest\x1a\x19.kvmesh.v1.LookupResponse\x12\x38\n\x05\x46\x65tch\x12\x17.kvmesh.v1.FetchRequest\x1a\x14.kvmesh.v1.PageChunk0\x01\x12\x37\n\x04Push\x12\x14.kvmesh.v1.PageChunk\x1a\x17.kvmesh.v1.PushResponse(\x01\x12\x42\n\tDataPlane\x12\x1b.kvmesh.v1.DataPlaneRequest\x1a\x18.kvmesh.v1.DataPlaneInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,6 +43,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PAGECHUNK']._serialized_end=311
   _globals['_PUSHRESPONSE']._serialized_start=313
   _globals['_PUSHRESPONSE']._serialized_end=363
-  _globals['_KVTRANSFER']._serialized_start=366
-  _globals['_KVTRANSFER']._serialized_end=556
+  _globals['_DATAPLANEREQUEST']._serialized_start=365
+  _globals['_DATAPLANEREQUEST']._serialized_end=400
+  _globals['_DATAPLANEINFO']._serialized_start=402
+  _globals['_DATAPLANEINFO']._serialized_end=482
+  _globals['_KVTRANSFER']._serialized_start=485
+  _globals['_KVTRANSFER']._serialized_end=743
 # @@protoc_insertion_point(module_scope)

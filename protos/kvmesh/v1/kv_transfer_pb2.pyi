@@ -55,3 +55,21 @@ class PushResponse(_message.Message):
     accepted: int
     rejected: int
     def __init__(self, accepted: _Optional[int] = ..., rejected: _Optional[int] = ...) -> None: ...
+
+class DataPlaneRequest(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class DataPlaneInfo(_message.Message):
+    __slots__ = ("port", "token", "version", "max_pages")
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_PAGES_FIELD_NUMBER: _ClassVar[int]
+    port: int
+    token: bytes
+    version: int
+    max_pages: int
+    def __init__(self, port: _Optional[int] = ..., token: _Optional[bytes] = ..., version: _Optional[int] = ..., max_pages: _Optional[int] = ...) -> None: ...

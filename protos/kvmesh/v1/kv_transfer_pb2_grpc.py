@@ -49,6 +49,11 @@ class KVTransferStub:
                 request_serializer=kvmesh_dot_v1_dot_kv__transfer__pb2.PageChunk.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_kv__transfer__pb2.PushResponse.FromString,
                 _registered_method=True)
+        self.DataPlane = channel.unary_unary(
+                '/kvmesh.v1.KVTransfer/DataPlane',
+                request_serializer=kvmesh_dot_v1_dot_kv__transfer__pb2.DataPlaneRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_kv__transfer__pb2.DataPlaneInfo.FromString,
+                _registered_method=True)
 
 
 class KVTransferServicer:
@@ -76,6 +81,14 @@ class KVTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DataPlane(self, request, context):
+        """Where this worker's raw-TCP page data plane listens, and the token its requests must
+        carry (docs/grpc.md, "Data plane"). Port 0: the worker has none; use Fetch.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +106,11 @@ def add_KVTransferServicer_to_server(servicer, server):
                     servicer.Push,
                     request_deserializer=kvmesh_dot_v1_dot_kv__transfer__pb2.PageChunk.FromString,
                     response_serializer=kvmesh_dot_v1_dot_kv__transfer__pb2.PushResponse.SerializeToString,
+            ),
+            'DataPlane': grpc.unary_unary_rpc_method_handler(
+                    servicer.DataPlane,
+                    request_deserializer=kvmesh_dot_v1_dot_kv__transfer__pb2.DataPlaneRequest.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_kv__transfer__pb2.DataPlaneInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +194,33 @@ class KVTransfer:
             '/kvmesh.v1.KVTransfer/Push',
             kvmesh_dot_v1_dot_kv__transfer__pb2.PageChunk.SerializeToString,
             kvmesh_dot_v1_dot_kv__transfer__pb2.PushResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DataPlane(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.v1.KVTransfer/DataPlane',
+            kvmesh_dot_v1_dot_kv__transfer__pb2.DataPlaneRequest.SerializeToString,
+            kvmesh_dot_v1_dot_kv__transfer__pb2.DataPlaneInfo.FromString,
             options,
             channel_credentials,
             insecure,
