@@ -10,7 +10,9 @@ of up to ``ARENA_BYTES``, populated when mapped (``MAP_POPULATE``) and reused on
 object cut from them is gone (up to ``ARENA_KEEP_BYTES`` kept idle per process), the way
 RDMA transfer engines receive into registered pools. Touching fresh memory costs as much as
 the copy itself (measured on the 2-core dev VM: receiving into a new ``bytes`` per page ran
-at half the speed of receiving into memory touched before).
+at half the speed of receiving into memory touched before). Where a mapping's reuse cannot
+be detected (no ``mremap``: macOS) or private anonymous mappings cannot be asked for
+(Windows), each object is received into a ``bytearray`` of its own instead.
 
 Wire format, version 1 (integers little-endian; docs/grpc.md, "Data plane")::
 
@@ -22,6 +24,14 @@ object (``kvstore.codec``), or ``found`` 0 and length 0. A connection carries an
 requests, one after the other. A request with a wrong magic, version or token, too many
 hashes, or bytes that are not a request closes the connection; so does a page source that
 fails (the client counts the pages it did not get as misses).
+
+Time limits are whole-message deadlines, not per-syscall timeouts: once the first byte of a
+request arrived, the rest of it (head and hashes) must arrive within ``request_timeout_s``;
+each send (one page's header and object, with the misses before it) must be taken by the
+client within ``io_timeout_s``; a connection may wait ``idle_timeout_s`` between requests.
+At ``max_connections`` a new connection closes the one that has waited longest between
+requests (a client re-opens a pooled connection it finds closed); only when every
+connection is busy with a request is the newcomer closed.
 
 Integrity: objects are length-framed, so a truncated one never completes (a miss); TCP's
 checksums cover the bytes on the wire; and, as for pages that came through ``Fetch``, the
@@ -49,7 +59,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from kvmesh.kvstore.hashing import PAGE_HASH_BYTES
 
@@ -75,7 +85,8 @@ ARENA_KEEP_BYTES = 512 << 20  # idle receive mappings kept for reuse, per proces
 _TIMEVAL = struct.Struct("ll")
 _WAITALL = getattr(socket, "MSG_WAITALL", 0)
 _DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: fault the mapping in at once
+_SENDMSG = hasattr(socket.socket, "sendmsg")  # not on Windows
+_E = TypeVar("_E", bound=BaseException)
 
 
 class DataPlaneError(ConnectionError):
@@ -91,14 +102,30 @@ class _Closed(Exception):
 # ---------------------------------------------------------------- the server
 
 
+@dataclass(eq=False)
+class _Conn:
+    """A served connection; ``idle_since`` is when it began to wait for a request (None
+    while one is read or answered), ``evicted`` is set when a newcomer took its slot."""
+
+    sock: socket.socket
+    idle_since: float | None
+    evicted: bool = False
+
+
 class DataPlaneServer:
     """Serves page objects from a ``PageSource`` over TCP: one accept thread, one thread per
-    connection (at most ``max_connections``; more are closed at once).
+    connection (plus, once it serves a request of more than ``batch_pages`` pages, a second
+    one that asks the source for the next batch), at most ``max_connections`` connections.
 
     The source is asked for ``batch_pages`` pages at a time, as the gRPC ``Fetch`` asks it,
     the next batch while the connection's thread sends the current one (an engine source
     copies device pages on its engine thread meanwhile); ``None`` serves misses only.
     ``token`` is drawn per server (``secrets``) unless given.
+
+    Deadlines (seconds, whole messages; see the module docstring): ``idle_timeout_s``
+    between requests, ``request_timeout_s`` for the rest of a request once its first byte
+    arrived, ``io_timeout_s`` for each send. A new connection at ``max_connections`` closes
+    the longest-idle one; it is closed itself only when none is idle.
     """
 
     def __init__(
@@ -112,6 +139,7 @@ class DataPlaneServer:
         batch_pages: int = 32,
         max_connections: int = 64,
         idle_timeout_s: float = 600.0,
+        request_timeout_s: float = 10.0,
         io_timeout_s: float = 60.0,
     ) -> None:
         if not 0 <= port < 65536:
@@ -125,6 +153,11 @@ class DataPlaneServer:
                 f"batch_pages and max_connections must be >= 1, got {batch_pages}, "
                 f"{max_connections}"
             )
+        if min(idle_timeout_s, request_timeout_s, io_timeout_s) <= 0:
+            raise ValueError(
+                "idle_timeout_s, request_timeout_s and io_timeout_s must be > 0, got "
+                f"{idle_timeout_s}, {request_timeout_s}, {io_timeout_s}"
+            )
         self.source = source
         self.host = host.strip("[]")
         self.port = port
@@ -133,21 +166,32 @@ class DataPlaneServer:
         self.batch_pages = batch_pages
         self.max_connections = max_connections
         self.idle_timeout_s = idle_timeout_s
+        self.request_timeout_s = request_timeout_s
         self.io_timeout_s = io_timeout_s
         self.draining = False  # set: new requests are refused (their connection is closed)
         self.connections = 0  # connections accepted
         self.rejected = 0  # connections closed for a bad request
+        self.evicted = 0  # idle connections closed to make room for a new one
+        self.refused = 0  # new connections closed: every slot busy, or no thread for it
+        self.timed_out = 0  # connections closed because a deadline passed
         self._listener: socket.socket | None = None
         self._accept_thread: threading.Thread | None = None
         self._lock = threading.Lock()
-        self._conns: set[socket.socket] = set()
+        self._conns: set[_Conn] = set()
         self._busy = 0  # requests being answered
         self._closed = False
+        self._thread_warned = False
 
     @property
     def busy(self) -> int:
         """Requests being answered right now."""
         return self._busy
+
+    @property
+    def open_connections(self) -> int:
+        """Connections being served (each holds a thread)."""
+        with self._lock:
+            return len(self._conns)
 
     def start(self) -> int:
         """Bind, listen and start accepting; returns the bound port."""
@@ -165,7 +209,11 @@ class DataPlaneServer:
         self._accept_thread = threading.Thread(
             target=self._accept_loop, name="kvmesh-dataplane", daemon=True
         )
-        self._accept_thread.start()
+        try:
+            self._accept_thread.start()
+        except BaseException:
+            sock.close()
+            raise
         logger.info("page data plane on %s:%d", self.host, self.port)
         return self.port
 
@@ -177,18 +225,11 @@ class DataPlaneServer:
             if self._closed:
                 return
             self._closed = True
-            conns = list(self._conns)
+            for conn in self._conns:
+                _shutdown(conn.sock)  # wakes the connection's thread
         if self._listener is not None:
-            try:
-                self._listener.shutdown(socket.SHUT_RDWR)  # wakes accept() on Linux
-            except OSError:
-                pass
+            _shutdown(self._listener)  # wakes accept() on Linux
             self._listener.close()
-        for conn in conns:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)  # wakes the connection's thread
-            except OSError:
-                pass
         if self._accept_thread is not None:
             self._accept_thread.join(2.0)
 
@@ -196,31 +237,66 @@ class DataPlaneServer:
         assert self._listener is not None
         while True:
             try:
-                conn, addr = self._listener.accept()
+                sock, addr = self._listener.accept()
             except OSError as e:
                 if self._closed:
                     return
                 logger.warning("data plane: accept failed: %s", e)
                 time.sleep(0.1)  # e.g. out of file descriptors: do not spin
                 continue
-            with self._lock:
-                refuse = self._closed or len(self._conns) >= self.max_connections
-                if not refuse:
-                    self._conns.add(conn)
-                    self.connections += 1
-            if refuse:
-                conn.close()
-                continue
-            threading.Thread(
-                target=self._serve, args=(conn, addr), name="kvmesh-dataplane-conn", daemon=True
-            ).start()
+            try:
+                self._admit(sock, addr)
+            except Exception:  # never let one connection end the accept loop
+                logger.exception("data plane: could not serve the connection from %s", addr)
+                sock.close()
 
-    def _serve(self, conn: socket.socket, addr) -> None:
+    def _admit(self, sock: socket.socket, addr) -> None:
+        conn = _Conn(sock, time.monotonic())
+        with self._lock:
+            admit = not self._closed
+            if admit and len(self._conns) >= self.max_connections:
+                idle = [c for c in self._conns if c.idle_since is not None]
+                if idle:  # the longest-idle connection makes room (its client re-opens)
+                    victim = min(idle, key=lambda c: c.idle_since)
+                    victim.evicted = True
+                    self._conns.discard(victim)
+                    _shutdown(victim.sock)  # its thread wakes, sees EOF and closes it
+                    self.evicted += 1
+                else:
+                    admit = False
+                    self.refused += 1
+            if admit:
+                self._conns.add(conn)
+                self.connections += 1
+        if not admit:
+            sock.close()
+            return
+        thread = threading.Thread(
+            target=self._serve, args=(conn, addr), name="kvmesh-dataplane-conn", daemon=True
+        )
+        try:
+            thread.start()
+        except Exception as e:  # RuntimeError "can't start new thread": out of threads
+            with self._lock:
+                self._conns.discard(conn)
+                self.refused += 1
+                warn, self._thread_warned = not self._thread_warned, True
+                sock.close()
+            if warn:
+                logger.warning(
+                    "data plane: cannot start a thread for a connection (%s); closing it "
+                    "(further ones are logged at debug level)",
+                    e,
+                )
+            else:
+                logger.debug("data plane: cannot start a connection thread: %s", e)
+
+    def _serve(self, conn: _Conn, addr) -> None:
+        sock = conn.sock
         prefetch = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-dataplane-fetch")
         try:
-            conn.setblocking(True)  # timeouts are SO_RCVTIMEO / SO_SNDTIMEO: fewer syscalls
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            _set_timeout(conn, socket.SO_SNDTIMEO, self.io_timeout_s)
+            sock.setblocking(True)  # timeouts are SO_RCVTIMEO / SO_SNDTIMEO: fewer syscalls
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             while not self._closed:
                 self._answer_one(conn, prefetch)
         except _Closed:
@@ -229,20 +305,33 @@ class DataPlaneServer:
             with self._lock:
                 self.rejected += 1
             logger.warning("data plane: closing the connection from %s: %s", addr, e)
-        except OSError as e:  # reset, timeout, server stopping
+        except TimeoutError as e:
+            with self._lock:
+                self.timed_out += 1
+            logger.debug("data plane: connection from %s timed out: %s", addr, e)
+        except OSError as e:  # reset, server stopping
             logger.debug("data plane: connection from %s ended: %s", addr, e)
+        except Exception:
+            logger.exception("data plane: serving %s failed; closing the connection", addr)
         finally:
             prefetch.shutdown(wait=False, cancel_futures=True)
             with self._lock:
                 self._conns.discard(conn)
-            conn.close()
+                sock.close()
 
-    def _answer_one(self, conn: socket.socket, prefetch: ThreadPoolExecutor) -> None:
+    def _answer_one(self, conn: _Conn, prefetch: ThreadPoolExecutor) -> None:
+        sock = conn.sock
         head = bytearray(REQUEST_HEAD.size)
-        _set_timeout(conn, socket.SO_RCVTIMEO, self.idle_timeout_s)
-        if not _recv_into(conn, memoryview(head), eof_ok=True):
-            raise _Closed()  # the client is done
-        _set_timeout(conn, socket.SO_RCVTIMEO, self.io_timeout_s)
+        view = memoryview(head)
+        _set_timeout(sock, socket.SO_RCVTIMEO, self.idle_timeout_s)
+        if not _recv_into(sock, view[:1], eof_ok=True):
+            raise _Closed()  # the client is done, or a newcomer took this idle slot
+        with self._lock:
+            if conn.evicted:
+                raise _Closed()
+            conn.idle_since = None
+        deadline = time.monotonic() + self.request_timeout_s  # the rest of the request
+        _recv_into(sock, view[1:], deadline=deadline)
         magic, version, _, token, count = REQUEST_HEAD.unpack(head)
         if magic != MAGIC:
             raise DataPlaneError(f"not a data-plane request (magic {magic!r})")
@@ -255,35 +344,40 @@ class DataPlaneServer:
         if self.draining or self._closed:
             raise _Closed()
         raw = bytearray(count * PAGE_HASH_BYTES)
-        _recv_into(conn, memoryview(raw))
+        _recv_into(sock, memoryview(raw), deadline=deadline)
         hashes = [bytes(raw[i : i + PAGE_HASH_BYTES]) for i in range(0, len(raw), PAGE_HASH_BYTES)]
         starts = range(0, count, self.batch_pages)
         batches = [hashes[i : i + self.batch_pages] for i in starts]
         with self._lock:
             self._busy += 1
         ahead: Future | None = None
+        misses = bytearray()  # headers of misses, sent with the next object or at the end
         try:
             for k, (start, batch) in enumerate(zip(starts, batches)):
                 objs = ahead.result() if ahead is not None else self._fetch(batch)
                 ahead = None
                 if k + 1 < len(batches):
-                    ahead = prefetch.submit(self._fetch, batches[k + 1])
-                misses = bytearray()  # consecutive misses go out in one send
+                    try:
+                        ahead = prefetch.submit(self._fetch, batches[k + 1])
+                    except RuntimeError:  # no thread for it: the next batch is fetched inline
+                        ahead = None
                 for j, obj in enumerate(objs):
                     if obj is None:
                         misses += PAGE_HEAD.pack(start + j, MISS, 0)
                         continue
-                    if misses:
-                        conn.sendall(misses)
-                        misses = bytearray()
-                    _send_object(conn, PAGE_HEAD.pack(start + j, FOUND, len(obj)), obj)
-                if misses:
-                    conn.sendall(misses)
+                    body = memoryview(obj).cast("B")  # bytes, not items: the framed length
+                    page = PAGE_HEAD.pack(start + j, FOUND, body.nbytes)
+                    _send_all(sock, [misses, page, body], time.monotonic() + self.io_timeout_s)
+                    misses = bytearray()
+            if misses:
+                _send_all(sock, [misses], time.monotonic() + self.io_timeout_s)
         finally:
             if ahead is not None:
                 ahead.cancel()
             with self._lock:
                 self._busy -= 1
+        with self._lock:
+            conn.idle_since = time.monotonic()  # answered: waiting for the next request
 
     def _fetch(self, batch: list[bytes]) -> list[bytes | None]:
         if self.source is None:
@@ -298,14 +392,11 @@ class DataPlaneServer:
         return objs
 
 
-def _send_object(conn: socket.socket, head: bytes, obj: bytes) -> None:
-    """The page header and object in one ``sendmsg`` when the socket takes it all."""
-    sent = conn.sendmsg([head, obj])
-    if sent < len(head):
-        conn.sendall(head[sent:])
-        sent = len(head)
-    if sent - len(head) < len(obj):
-        conn.sendall(memoryview(obj)[sent - len(head) :])
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:  # not connected any more, or closed
+        pass
 
 
 # ---------------------------------------------------------------- the client
@@ -314,7 +405,8 @@ def _send_object(conn: socket.socket, head: bytes, obj: bytes) -> None:
 @dataclass
 class DataPlaneFetch:
     """What one ``DataPlaneClient.fetch`` got: whole objects by position in the request,
-    the error that ended it early (if any), and whether any page arrived before it."""
+    the error that ended it early (if any; without its traceback, so that no receive
+    memory stays referenced from it), and whether any page arrived before it."""
 
     objects: dict[int, memoryview] = field(default_factory=dict)
     error: Exception | None = None
@@ -322,8 +414,8 @@ class DataPlaneFetch:
 
     @property
     def may_retry_elsewhere(self) -> bool:
-        """Failed before any page arrived, for a reason other than the deadline: a caller
-        may ask the same peer over gRPC instead without waiting twice."""
+        """Failed before any page arrived, for a reason other than a deadline (the call's,
+        or the connect timeout): a caller may ask the same peer over gRPC instead."""
         return (
             self.error is not None
             and not self.answered
@@ -332,13 +424,16 @@ class DataPlaneFetch:
 
 
 class DataPlaneClient:
-    """One peer's data plane: persistent connections (one per concurrent caller, up to
-    ``max_idle`` kept between calls), re-opened after any error. Thread-safe.
+    """One peer's data plane over a small pool of persistent connections: a call takes an
+    idle one (or opens one), and gives it back when the call succeeded; at most
+    ``max_idle`` are kept between calls, and a connection that saw any error is closed.
+    Thread-safe: concurrent calls use connections of their own.
 
     Objects come back as memoryviews into receive mappings of at most ``ARENA_BYTES``
     (bytes-like: ``codec.decode`` reads them, ``bytes(obj)`` copies one out). A mapping goes
     back to the pool when the last object cut from it is dropped, so a caller that keeps
-    one object keeps its whole mapping from reuse.
+    one object keeps its whole mapping from reuse. An object claiming more than
+    ``max_object_bytes`` is refused before any memory is set aside for it.
     """
 
     def __init__(
@@ -366,8 +461,9 @@ class DataPlaneClient:
         self._closed = False
 
     def fetch(self, hashes: Sequence[bytes], timeout: float) -> DataPlaneFetch:
-        """The objects of ``hashes`` within ``timeout`` seconds; never raises for network
-        faults or a bad answer (they end up in ``error``; what arrived before is kept)."""
+        """The objects of ``hashes`` within ``timeout`` seconds (connecting included); never
+        raises (network faults, a bad answer, a deadline, even a local failure end up in
+        ``error``; what arrived before is kept)."""
         out = DataPlaneFetch()
         deadline = time.monotonic() + timeout
         arena = _Arena()
@@ -375,8 +471,12 @@ class DataPlaneClient:
             part = hashes[start : start + self.max_pages]
             try:
                 self._fetch_part(part, start, len(hashes), deadline, arena, out)
-            except OSError as e:  # DataPlaneError and TimeoutError are OSErrors
-                out.error = e
+            except Exception as e:  # DataPlaneError and TimeoutError are OSErrors
+                if not isinstance(e, OSError):
+                    logger.debug("data plane %s:%d: fetch failed", self.host, self.port, exc_info=e)
+                # a traceback holds the frames that hold the receive memory (a half-filled
+                # object, the arena): keep the error without it, so they are freed now
+                out.error = detached(e)
                 break
         return out
 
@@ -404,8 +504,7 @@ class DataPlaneClient:
             sock, reused = self._checkout(deadline)
             answered = False
             try:
-                _set_timeout(sock, socket.SO_SNDTIMEO, _left(deadline))
-                sock.sendall(request)
+                _send_all(sock, [request], deadline)
                 for i in range(len(part)):
                     _recv_into(sock, memoryview(head), deadline=deadline)
                     answered = out.answered = True
@@ -451,14 +550,21 @@ class DataPlaneClient:
             if _still_open(sock):
                 return sock, True
             sock.close()
+        limit = min(self.connect_timeout, _left(deadline))
         try:
-            sock = socket.create_connection(
-                (self.host, self.port), timeout=min(self.connect_timeout, _left(deadline))
-            )
-        except OSError as e:  # refused, unreachable, connect timeout: not the call's deadline
+            sock = socket.create_connection((self.host, self.port), timeout=limit)
+        except TimeoutError:  # the SYN went unanswered: a deadline, not a refusal
+            raise TimeoutError(
+                f"connecting to {self.host}:{self.port} timed out after {limit:.3g}s"
+            ) from None
+        except OSError as e:  # refused, unreachable, unresolvable
             raise DataPlaneError(f"cannot connect to {self.host}:{self.port}: {e}") from e
-        sock.setblocking(True)  # timeouts are SO_RCVTIMEO / SO_SNDTIMEO
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            sock.setblocking(True)  # timeouts are SO_RCVTIMEO / SO_SNDTIMEO
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except BaseException:
+            sock.close()
+            raise
         return sock, False
 
     def _checkin(self, sock: socket.socket) -> None:
@@ -467,6 +573,23 @@ class DataPlaneClient:
                 self._idle.append(sock)
                 return
         sock.close()
+
+
+def detached(e: _E) -> _E:
+    """``e`` with no traceback on it or on the exceptions it was raised from or during (a
+    traceback holds its frames, and they hold their locals)."""
+    todo, seen = [e], set()
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        x.__traceback__ = None
+        todo += [x.__cause__, x.__context__]
+    return e
+
+
+# ---------------------------------------------------------------- receive memory
 
 
 class _Arena:
@@ -479,9 +602,12 @@ class _Arena:
 
     def take(self, n: int, hint: int) -> memoryview:
         """``n`` bytes; another mapping (``hint`` bytes: the most the fetch may still
-        need, capped at ``ARENA_BYTES``) when the current one is full."""
+        need, capped at ``ARENA_BYTES``) when the current one is full. Without reusable
+        mappings, a buffer of exactly ``n`` bytes."""
         if n == 0:
             return memoryview(b"")
+        if not self._pool.reuses:
+            return self._pool.take(n)
         if self._view is None or self._used + n > self._view.nbytes:
             self._view = self._pool.take(max(n, min(ARENA_BYTES, hint)))
             self._used = 0
@@ -495,23 +621,37 @@ class _MappingPool:
 
     A mapping is back when no buffer of it is exported any more: CPython refuses to resize
     an mmap while any memoryview, numpy array or tensor of it is alive (a resize could move
-    the memory under it), so a same-size ``resize`` that succeeds proves it unused. Where
-    resizing is unsupported the probe fails and mappings are simply not reused. Thread-safe.
+    the memory under it), so a same-size ``resize`` that succeeds proves it unused. Whether
+    that test works here is probed once (``reuse=None``); where it does not (no ``mremap``,
+    as on macOS; no ``MAP_PRIVATE``/``MAP_ANONYMOUS``, as on Windows), ``take`` hands out
+    plain ``bytearray`` memory and keeps no reference to it. Thread-safe.
     """
 
-    def __init__(self, keep_bytes: int = ARENA_KEEP_BYTES) -> None:
+    def __init__(self, keep_bytes: int = ARENA_KEEP_BYTES, *, reuse: bool | None = None) -> None:
         self.keep_bytes = keep_bytes
+        self._reuse = reuse
         self._lent: list[mmap.mmap] = []
         self._idle: list[mmap.mmap] = []
         self._lock = threading.Lock()
-        self.created = 0  # mappings made (each one populated: the cost this pool saves)
+        self.created = 0  # buffers made (each mapping populated: the cost this pool saves)
         self.reused = 0
+
+    @property
+    def reuses(self) -> bool:
+        """Whether mappings are pooled (else every ``take`` is a new bytearray)."""
+        if self._reuse is None:
+            self._reuse = _mapping_reuse_works()
+        return self._reuse
 
     def take(self, size: int) -> memoryview:
         """A view of a mapping of at least ``size`` bytes (the smallest idle one that fits,
         else a new one of ``size`` rounded up to a power of two, at least 1 MiB). The
         view exists before the mapping is listed as lent, so no other caller can take it
-        back in between."""
+        back in between. Without reuse: a bytearray of ``size`` bytes."""
+        if not self.reuses:
+            with self._lock:
+                self.created += 1
+            return memoryview(bytearray(size))
         with self._lock:
             self._reclaim()
             fits = [m for m in self._idle if len(m) >= size]
@@ -523,7 +663,7 @@ class _MappingPool:
                 self.reused += 1
                 return view
         size = max(1 << 20, 1 << (size - 1).bit_length())
-        m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE)
+        m = mmap.mmap(-1, size, flags=_map_flags(mmap))
         view = memoryview(m)
         with self._lock:
             self._lent.append(m)
@@ -552,12 +692,64 @@ class _MappingPool:
 def _unused(m: mmap.mmap) -> bool:
     try:
         m.resize(len(m))
-    except Exception:  # BufferError: still exported; others: resizing unsupported here
+    except BufferError:  # still exported
         return False
     return True
 
 
+def _map_flags(mm) -> int | None:
+    """Flags of a private anonymous mapping, populated where the OS can (Linux); None where
+    the mmap module cannot ask for one (Windows)."""
+    private, anonymous = getattr(mm, "MAP_PRIVATE", None), getattr(mm, "MAP_ANONYMOUS", None)
+    if private is None or anonymous is None:
+        return None
+    return private | anonymous | getattr(mm, "MAP_POPULATE", 0)
+
+
+def _probe_reuse(mm=mmap) -> bool:
+    """Whether ``_unused`` tells a mapping in use from a free one with this ``mmap``
+    module: a same-size resize must fail while a view is exported and succeed after."""
+    flags = _map_flags(mm)
+    if flags is None:
+        return False
+    try:
+        m = mm.mmap(-1, mmap.PAGESIZE, flags=flags)
+    except Exception:
+        return False
+    try:
+        view = memoryview(m)
+        try:
+            m.resize(len(m))
+        except BufferError:
+            pass
+        else:
+            return False  # resizing ignores exports: nothing to tell them apart by
+        finally:
+            view.release()
+        m.resize(len(m))  # no mremap (macOS): SystemError
+        return True
+    except Exception:
+        return False
+    finally:
+        m.close()
+
+
+_REUSE: bool | None = None
+
+
+def _mapping_reuse_works() -> bool:
+    global _REUSE
+    if _REUSE is None:
+        _REUSE = _probe_reuse()
+        if not _REUSE:
+            logger.info("data plane: receive mappings cannot be reused here; using bytearrays")
+    return _REUSE
+
+
 RECEIVE_POOL = _MappingPool()
+
+
+# ---------------------------------------------------------------- socket helpers
 
 
 def _left(deadline: float) -> float:
@@ -577,6 +769,26 @@ def _set_timeout(sock: socket.socket, option: int, seconds: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, option, _TIMEVAL.pack(sec, max(usec, 1 if sec == 0 else 0)))
 
 
+def _send_all(sock: socket.socket, buffers: list, deadline: float) -> None:
+    """Send ``buffers`` (bytes-like, in order; ``sendmsg``: usually one call) on a blocking
+    socket, all of them by ``deadline``: each call may block only for what is left of it
+    (SO_SNDTIMEO), so a peer that reads a byte now and then cannot stretch the send. A call
+    that ran out of time with nothing sent (EAGAIN) is a ``TimeoutError``."""
+    views = [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
+    while views:
+        _set_timeout(sock, socket.SO_SNDTIMEO, _left(deadline))
+        try:
+            sent = sock.sendmsg(views) if _SENDMSG else sock.send(views[0])
+        except BlockingIOError:  # SO_SNDTIMEO ran out with nothing sent
+            raise TimeoutError("the data-plane peer took nothing in time") from None
+        while sent:
+            if sent >= views[0].nbytes:
+                sent -= views.pop(0).nbytes
+            else:
+                views[0] = views[0][sent:]
+                sent = 0
+
+
 def _recv_into(
     sock: socket.socket,
     view: memoryview,
@@ -584,9 +796,10 @@ def _recv_into(
     deadline: float | None = None,
     eof_ok: bool = False,
 ) -> bool:
-    """Fill ``view`` from a blocking socket (``MSG_WAITALL``: usually one call), within
-    ``deadline`` when given (else the socket's SO_RCVTIMEO). False for an EOF before the
-    first byte when ``eof_ok``; an EOF anywhere else is a ``DataPlaneError``."""
+    """Fill ``view`` from a blocking socket (``MSG_WAITALL``: usually one call), all of it
+    by ``deadline`` when given (each call blocks only for what is left of it), else within
+    the socket's SO_RCVTIMEO per call. False for an EOF before the first byte when
+    ``eof_ok``; an EOF anywhere else is a ``DataPlaneError``."""
     n = view.nbytes
     got = 0
     while got < n:

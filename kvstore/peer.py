@@ -21,7 +21,7 @@ from typing import Protocol, runtime_checkable
 import grpc
 
 from kvmesh.kvstore.codec import PageCodecError, PageSpec, decode, read_header
-from kvmesh.kvstore.dataplane import TOKEN_BYTES, DataPlaneClient
+from kvmesh.kvstore.dataplane import TOKEN_BYTES, DataPlaneClient, detached
 from kvmesh.kvstore.dataplane import VERSION as DATA_PLANE_VERSION
 from kvmesh.kvstore.hashing import PAGE_HASH_BYTES
 from kvmesh.kvstore.tier import Tier
@@ -237,19 +237,23 @@ class PageAssembler:
 class PeerTier(Tier):
     """Other workers' pages, read over their KVTransfer service.
 
-    ``contains`` asks each peer's ``Lookup`` for what the peers before it did not have;
-    ``get`` does the same, over the peer's data plane (a plain TCP connection the
-    ``DataPlane`` RPC names; kept open between calls) when it offers one and ``data_plane``
-    is on, else with ``Fetch``. A data plane that fails before any page arrived (refused,
-    closed, a stale token after a restart) is not used for ``DATA_PLANE_RECHECK_S`` and the
-    call goes to ``Fetch``. A peer that fails (unreachable, deadline, a broken stream, on
-    either path) gives misses, never an exception: pages that arrived whole are kept, one
-    warning per incident (the next after it has answered again), ``metrics["errors"]``
-    counts every failed call, and the peer is skipped for ``cooldown_s`` so a dead address
-    costs no time. ``metrics["data_plane_pages"]`` / ``["grpc_pages"]`` count the pages
-    each path delivered. Objects from the data plane are memoryviews into a reused receive
-    pool (bytes-like, read by ``codec.decode`` as is; see ``DataPlaneClient``), those from
-    ``Fetch`` are ``bytes``.
+    ``contains`` asks each peer's ``Lookup`` for what the peers before it did not have
+    (``timeout`` seconds per peer); ``get`` does the same, over the peer's data plane (plain
+    TCP connections the ``DataPlane`` RPC names, pooled between calls) when it offers one and
+    ``data_plane`` is on, else with ``Fetch``, all within one deadline of ``timeout``
+    seconds per ``get``: the ``DataPlane`` RPC, the data-plane fetch and a ``Fetch`` fallback
+    each get what the steps before them left, and pages nobody had time for are misses. A
+    data plane that fails before any page arrived for a reason other than a deadline
+    (refused, closed, a stale token after a restart) is not used for ``DATA_PLANE_RECHECK_S``
+    and the call goes to ``Fetch`` (when time is left). A peer that fails (unreachable,
+    deadline, a broken stream, on either path) gives misses, never an exception: pages that
+    arrived whole are kept, one warning per incident (the next after it has answered again),
+    ``metrics["errors"]`` counts every failed call, and the peer is skipped for
+    ``cooldown_s`` so a dead address costs no time. ``metrics["data_plane_pages"]`` /
+    ``["grpc_pages"]`` count the pages each path delivered. Objects from the data plane are
+    memoryviews into a reused receive pool (bytes-like, read by ``codec.decode`` as is; see
+    ``DataPlaneClient``; an object longer than ``max_page_bytes`` is refused before memory
+    is set aside for it), those from ``Fetch`` are ``bytes``.
 
     ``put`` pushes to the first peer when ``push_on_put`` (off by default: a worker's spill
     belongs in its own tiers); ``evict`` is a no-op (another worker's cache is its own).
@@ -341,11 +345,16 @@ class PeerTier(Tier):
     def get(self, hashes: Sequence[bytes]) -> list[bytes | memoryview | None]:
         out: list[bytes | memoryview | None] = [None] * len(hashes)
         pending = list(range(len(hashes)))
+        deadline = time.monotonic() + self.timeout  # the whole call, every peer and path
         for addr, stub in self._peers():
-            if not pending:
-                break
+            if not pending or time.monotonic() >= deadline:
+                break  # no time left: the rest are misses (no fault of the peers not asked)
             asked = [hashes[i] for i in pending]
-            got, error, what = self._fetch_any(addr, stub, asked)
+            try:
+                got, error, what = self._fetch_any(addr, stub, asked, deadline)
+            except Exception as e:  # a transport's bug must not become the caller's
+                logger.debug("peer %s: get failed", addr, exc_info=e)
+                got, error, what = {}, detached(e), "get"  # its frames may hold pages
             for j, obj in got.items():
                 out[pending[j]] = obj
             if error is not None:
@@ -386,7 +395,8 @@ class PeerTier(Tier):
         with self._lock:
             if addr in self._dp:
                 return "data_plane"
-        client, _ = self._data_plane_client(addr, self._stubs[peer])
+        deadline = time.monotonic() + self.timeout
+        client, _ = self._data_plane_client(addr, self._stubs[peer], deadline)
         return "data_plane" if client is not None else "grpc"
 
     # ------------------------------------------------------------ beyond Tier
@@ -416,39 +426,46 @@ class PeerTier(Tier):
                 yield addr, stub
 
     def _fetch_any(
-        self, addr: str, stub: pb_grpc.KVTransferStub, hashes: list[bytes]
+        self, addr: str, stub: pb_grpc.KVTransferStub, hashes: list[bytes], deadline: float
     ) -> tuple[dict[int, bytes | memoryview], Exception | None, str]:
         """One peer's objects by position, the fault that ended the call early (if any) and
         what failed: over the data plane when the peer has one, else (or when the data plane
-        failed before any page arrived) with Fetch."""
+        failed before any page arrived, and time is left) with Fetch; all by ``deadline``."""
         if self.data_plane:
-            client, error = self._data_plane_client(addr, stub)
+            client, error = self._data_plane_client(addr, stub, deadline)
             if error is not None:
                 return {}, error, "DataPlane"
             if client is not None:
-                res = client.fetch(hashes, self.timeout)
+                left = deadline - time.monotonic()
+                if left <= 0:  # the DataPlane RPC took it all; the data plane is not at fault
+                    return {}, TimeoutError(f"no time left of {self.timeout}s"), "data plane"
+                res = client.fetch(hashes, left)
                 with self._lock:
                     self.metrics["data_plane_pages"] += len(res.objects)
                 if res.error is None:
                     return res.objects, None, "data plane"
                 self._forget_data_plane(addr, client, recheck_s=0.0 if res.answered else None)
-                if not res.may_retry_elsewhere:
+                if not res.may_retry_elsewhere or time.monotonic() >= deadline:
                     return res.objects, res.error, "data plane"
                 with self._lock:
                     self.metrics["data_plane_fallbacks"] += 1
                 logger.info(
                     "peer %s: data plane failed before any page (%s); using Fetch", addr, res.error
                 )
-        got, error = self._fetch(stub, hashes)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return {}, TimeoutError(f"no time left of {self.timeout}s for Fetch"), "Fetch"
+        got, error = self._fetch(stub, hashes, left)
         with self._lock:
             self.metrics["grpc_pages"] += len(got)
         return got, error, "Fetch"
 
     def _data_plane_client(
-        self, addr: str, stub: pb_grpc.KVTransferStub
+        self, addr: str, stub: pb_grpc.KVTransferStub, deadline: float
     ) -> tuple[DataPlaneClient | None, Exception | None]:
-        """The peer's data-plane client, asking its ``DataPlane`` RPC when not known yet;
-        ``(None, None)``: it has none (or had one that failed lately), use Fetch."""
+        """The peer's data-plane client, asking its ``DataPlane`` RPC (by ``deadline``) when
+        not known yet; ``(None, None)``: it has none (or had one that failed lately), use
+        Fetch."""
         with self._lock:
             client = self._dp.get(addr)
             if client is not None:
@@ -458,10 +475,11 @@ class PeerTier(Tier):
         host = _host_of(addr)
         if host is None:  # not host:port (a unix socket, a resolver URI): gRPC only
             return None, None
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None, TimeoutError(f"no time left of {self.timeout}s for DataPlane")
         try:
-            info = stub.DataPlane(
-                pb.DataPlaneRequest(version=DATA_PLANE_VERSION), timeout=self.timeout
-            )
+            info = stub.DataPlane(pb.DataPlaneRequest(version=DATA_PLANE_VERSION), timeout=left)
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # a worker older than the data plane
                 return self._no_data_plane(addr), None
@@ -500,13 +518,13 @@ class PeerTier(Tier):
         client.close()
 
     def _fetch(
-        self, stub: pb_grpc.KVTransferStub, hashes: list[bytes]
+        self, stub: pb_grpc.KVTransferStub, hashes: list[bytes], timeout: float
     ) -> tuple[dict[int, bytes], Exception | None]:
         """The complete, intact objects of one Fetch by position, and the fault if the call
         failed part-way (what arrived before it is kept: every object is CRC-checked)."""
         got: dict[int, bytes] = {}
         asm = PageAssembler(self.max_page_bytes)
-        call = stub.Fetch(pb.FetchRequest(hashes=hashes), timeout=self.timeout)
+        call = stub.Fetch(pb.FetchRequest(hashes=hashes), timeout=timeout)
         try:
             for chunk in call:
                 for piece in chunk.pieces:

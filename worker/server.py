@@ -422,9 +422,27 @@ class WorkerServer:
             self.inference = InferenceServicer(self.engine, self._life)
             ipb_grpc.add_InferenceServicer_to_server(self.inference, server)
             names.append(ipb.DESCRIPTOR.services_by_name["Inference"].full_name)
+        asked_port = self.data_plane_port
         if self.data_plane_enabled:
             self.data_plane = DataPlaneServer(self.page_source, self.host, self.data_plane_port)
             self.data_plane_port = await asyncio.to_thread(self.data_plane.start)
+        try:
+            port = await self._start_grpc(server, names)
+        except BaseException:  # nothing serves: the data plane must not outlive the attempt
+            if self.data_plane is not None:
+                self.data_plane.stop()
+                self.data_plane, self.data_plane_port = None, asked_port
+            raise
+        self._server = server
+        self._stopped = asyncio.Event()
+        logger.info(
+            "worker %s serving %s on %s:%d%s", self.worker_id, ", ".join(names), self.host, port,
+            f", page data plane on port {self.data_plane_port}" if self.data_plane else "",
+        )  # fmt: skip
+        return port
+
+    async def _start_grpc(self, server: grpc.aio.Server, names: list[str]) -> int:
+        """Add KVTransfer, health and reflection to ``server``, bind and start it."""
         kpb_grpc.add_KVTransferServicer_to_server(
             KVTransferServicer(self.page_source, self._life, self.data_plane), server
         )
@@ -440,17 +458,9 @@ class WorkerServer:
         else:
             port = server.add_insecure_port(target)
         if port == 0:
-            if self.data_plane is not None:
-                self.data_plane.stop()
             raise OSError(f"cannot bind {self.host}:{self.port}")
         self.port = port
         await server.start()
-        self._server = server
-        self._stopped = asyncio.Event()
-        logger.info(
-            "worker %s serving %s on %s:%d%s", self.worker_id, ", ".join(names), self.host, port,
-            f", page data plane on port {self.data_plane_port}" if self.data_plane else "",
-        )  # fmt: skip
         return port
 
     async def stop(self, grace: float | None = None) -> None:

@@ -1,13 +1,20 @@
 """The raw-TCP page data plane on real loopback sockets: the same bytes as gRPC Fetch, a
 persistent connection, bad requests closing only their own connection, gRPC as the fallback
 (no data plane, a TLS-style server, a stale token, a closed port), a server killed
-mid-transfer turning the rest into misses, and receive memory reused only once released."""
+mid-transfer turning the rest into misses, receive memory reused only once released, and
+the server's limits: whole-message deadlines, idle connections making room for new ones, a
+connection thread that cannot start."""
 
 from __future__ import annotations
 
+import gc
 import logging
+import mmap
 import socket
+import sys
 import threading
+import time
+import types
 
 import grpc
 import pytest
@@ -19,6 +26,7 @@ from kvmesh.kvstore.peer import MAX_CHUNK_BYTES, PeerTier, TierPageSource
 from kvmesh.kvstore.store import TieredStore
 from kvmesh.protos.kvmesh.v1 import kv_transfer_pb2 as pb
 from kvmesh.protos.kvmesh.v1 import kv_transfer_pb2_grpc as pb_grpc
+from kvmesh.worker import server as worker_server
 from kvmesh.worker.server import WorkerServer
 
 # pages bigger than a gRPC chunk, so Fetch has to cut and reassemble them
@@ -68,6 +76,41 @@ def closed_by_server(sock: socket.socket, timeout: float = 10.0) -> bool:
         return sock.recv(1 << 16) == b""
     except ConnectionResetError:
         return True
+
+
+def wait_for(condition, timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def request(token: bytes, hashes: list[bytes]) -> bytes:
+    return dp.REQUEST_HEAD.pack(dp.MAGIC, dp.VERSION, 0, token, len(hashes)) + b"".join(hashes)
+
+
+class ScriptedServer:
+    """A data-plane server of one connection that reads one request and answers it with
+    the bytes a test scripts, then closes."""
+
+    def __init__(self, answer: bytes) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.thread = threading.Thread(target=self._run, args=(answer,), daemon=True)
+        self.thread.start()
+
+    def _run(self, answer: bytes) -> None:
+        conn, _ = self.listener.accept()
+        with conn:
+            head = conn.recv(dp.REQUEST_HEAD.size, socket.MSG_WAITALL)
+            conn.recv(16 * dp.REQUEST_HEAD.unpack(head)[4], socket.MSG_WAITALL)
+            conn.sendall(answer)
+
+    def close(self) -> None:
+        self.listener.close()
+        self.thread.join(5)
 
 
 def test_the_rpc_names_the_data_plane(server):
@@ -289,7 +332,7 @@ def test_a_server_killed_mid_transfer_gives_misses_for_the_rest(caplog):
         source.release.set()
         peer.close()
     n = next(i for i, o in enumerate(got) if o is None)  # the pages before the cut
-    assert 32 <= n < 64
+    assert 32 <= n <= 64  # the cut may come while batch 2 is sent, or just after it
     assert [bytes(o) for o in got[:n]] == [page(i) for i in range(n)]
     assert got[n:] == [None] * (100 - n)  # misses, not an exception
     assert peer.metrics["errors"] == 1 and peer.metrics["data_plane_fallbacks"] == 0
@@ -315,3 +358,296 @@ def test_receive_memory_is_reused_only_after_every_page_of_it_is_gone():
     c = dp._Arena(pool)
     c.take(5000, hint=5000)
     assert (pool.created, pool.reused) == (2, 1)
+
+
+# ---------------------------------------------------------------- the server's limits
+
+
+def test_a_request_trickling_in_is_cut_at_the_request_deadline(host):
+    """Per-syscall timeouts would let a byte every few seconds hold the thread forever."""
+    srv = dp.DataPlaneServer(TierPageSource(host), request_timeout_s=0.5, io_timeout_s=30.0)
+    srv.start()
+    req = request(srv.token, [h(1)])
+    try:
+        with socket.create_connection(("127.0.0.1", srv.port)) as sock:
+            assert wait_for(lambda: srv.open_connections == 1)
+            sent = 0
+            while sent < len(req) and srv.open_connections:
+                try:
+                    sock.sendall(req[sent : sent + 1])
+                except OSError:  # the server has closed it
+                    break
+                sent += 1
+                time.sleep(0.1)
+            assert sent < len(req)  # cut before the request was complete
+            assert closed_by_server(sock)  # and nothing was answered
+        assert srv.timed_out == 1 and srv.open_connections == 0
+    finally:
+        srv.stop()
+
+
+def test_a_client_that_reads_too_slowly_is_cut_off(host):
+    """Each page must be taken within io_timeout_s as a whole: reading a little now and
+    then (here about a page per second for a 0.5 s limit) does not keep the thread."""
+    srv = dp.DataPlaneServer(TierPageSource(host), io_timeout_s=0.5)
+    srv.start()
+    asked = [h(i) for i in range(40)]  # 26 MB: more than the socket buffers hold
+    try:
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+            sock.connect(("127.0.0.1", srv.port))
+            sock.sendall(request(srv.token, asked))
+            got = 0
+            for _ in range(300):
+                time.sleep(0.1)
+                if srv.open_connections == 0:
+                    break
+                got += len(sock.recv(64 << 10))
+            assert srv.open_connections == 0 and srv.timed_out == 1
+            assert got < len(asked) * len(page(0))
+    finally:
+        srv.stop()
+
+
+def test_at_the_connection_limit_a_newcomer_closes_the_longest_idle_connection(host):
+    srv = dp.DataPlaneServer(TierPageSource(host), max_connections=2)
+    srv.start()
+    client = dp.DataPlaneClient("127.0.0.1", srv.port, srv.token)
+    socks: list[socket.socket] = []
+
+    def connect() -> socket.socket:
+        socks.append(socket.create_connection(("127.0.0.1", srv.port)))
+        return socks[-1]
+
+    try:
+        first = connect()
+        assert wait_for(lambda: srv.open_connections == 1)
+        second = connect()
+        assert wait_for(lambda: srv.open_connections == 2)
+        res = client.fetch([h(1)], timeout=10)  # a third connection: `first` makes room
+        assert res.error is None and bytes(res.objects[0]) == page(1)
+        assert closed_by_server(first) and srv.evicted == 1
+        second.sendall(b"K")  # the first byte of a request: busy, never evicted
+        assert wait_for(lambda: sum(c.idle_since is None for c in srv._conns) == 1)
+        third = connect()  # the client's pooled connection is the idle one now
+        assert wait_for(lambda: srv.evicted == 2)
+        res = client.fetch([h(2)], timeout=10)  # re-opens; `third` makes room
+        assert res.error is None and bytes(res.objects[0]) == page(2)
+        assert closed_by_server(third) and srv.evicted == 3
+        second.settimeout(0.2)
+        with pytest.raises(TimeoutError):  # still open, waiting for its request
+            second.recv(1)
+        assert srv.refused == 0
+    finally:
+        client.close()
+        for sock in socks:
+            sock.close()
+        srv.stop()
+
+
+def test_at_the_connection_limit_with_every_connection_busy_a_newcomer_is_closed(host):
+    srv = dp.DataPlaneServer(TierPageSource(host), max_connections=1)
+    srv.start()
+    try:
+        with socket.create_connection(("127.0.0.1", srv.port)) as busy:
+            busy.sendall(request(srv.token, [h(1)])[:10])  # a request under way
+            assert wait_for(lambda: any(c.idle_since is None for c in srv._conns))
+            with socket.create_connection(("127.0.0.1", srv.port)) as newcomer:
+                assert closed_by_server(newcomer)
+            assert srv.refused == 1 and srv.evicted == 0
+            busy.sendall(request(srv.token, [h(1)])[10:])  # the busy one is served
+            n = dp.PAGE_HEAD.size + len(page(1))
+            assert busy.recv(n, socket.MSG_WAITALL)[dp.PAGE_HEAD.size :] == page(1)
+    finally:
+        srv.stop()
+
+
+def test_a_connection_thread_that_cannot_start_is_closed_and_accepting_goes_on(
+    host, monkeypatch, caplog
+):
+    srv = dp.DataPlaneServer(TierPageSource(host))
+    srv.start()
+    real_start = threading.Thread.start
+    failures = [2]
+
+    def start(thread):
+        if thread.name == "kvmesh-dataplane-conn" and failures[0]:
+            failures[0] -= 1
+            raise RuntimeError("can't start new thread")
+        return real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    client = dp.DataPlaneClient("127.0.0.1", srv.port, srv.token)
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvmesh.kvstore.dataplane"):
+            for _ in range(2):
+                with socket.create_connection(("127.0.0.1", srv.port)) as sock:
+                    assert closed_by_server(sock)
+            res = client.fetch([h(3)], timeout=10)  # the accept loop is alive
+        assert res.error is None and bytes(res.objects[0]) == page(3)
+        assert srv.refused == 2 and srv.open_connections == 1
+        assert len([r for r in caplog.records if "cannot start a thread" in r.getMessage()]) == 1
+    finally:
+        client.close()
+        srv.stop()
+
+
+def test_objects_are_framed_by_their_length_in_bytes():
+    """A page source may hand out any buffer, e.g. a memoryview of 4-byte items."""
+    obj = bytes(range(256)) * 16
+
+    class ItemSource:
+        def fetch(self, hashes):
+            return [memoryview(obj).cast("I") for _ in hashes]
+
+    srv = dp.DataPlaneServer(ItemSource())
+    srv.start()
+    client = dp.DataPlaneClient("127.0.0.1", srv.port, srv.token)
+    try:
+        res = client.fetch([h(1), h(2)], timeout=10)
+    finally:
+        client.close()
+        srv.stop()
+    assert res.error is None
+    assert [bytes(res.objects[i]) for i in (0, 1)] == [obj, obj]
+
+
+def test_a_server_that_fails_after_its_data_plane_started_stops_it(host, monkeypatch):
+    started: list[dp.DataPlaneServer] = []
+    real_start = dp.DataPlaneServer.start
+
+    def start(plane):
+        started.append(plane)
+        return real_start(plane)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("reflection broke")
+
+    monkeypatch.setattr(dp.DataPlaneServer, "start", start)
+    monkeypatch.setattr(worker_server.reflection, "enable_server_reflection", broken)
+    srv = WorkerServer(page_source=TierPageSource(host))
+    with pytest.raises(RuntimeError, match="reflection broke"):
+        srv.start_in_thread()
+    (plane,) = started
+    assert srv.data_plane is None
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", plane.port), timeout=5).close()
+
+
+# ---------------------------------------------------------------- the client's limits
+
+
+@pytest.mark.skipif(not dp._mapping_reuse_works(), reason="no reusable receive mappings here")
+def test_a_failed_fetch_gives_its_receive_memory_back_at_once(monkeypatch):
+    """Closed 1,000 bytes into a 4,096-byte object: the error must not keep the mapping it
+    was received into (through its traceback's frames) until the cyclic GC runs."""
+    pool = dp._MappingPool(keep_bytes=64 << 20)
+    monkeypatch.setattr(dp, "RECEIVE_POOL", pool)
+    fake = ScriptedServer(dp.PAGE_HEAD.pack(0, dp.FOUND, 4096) + bytes(1000))
+    client = dp.DataPlaneClient("127.0.0.1", fake.port, bytes(dp.TOKEN_BYTES))
+    gc.disable()
+    try:
+        res = client.fetch([h(1), h(2)], timeout=10)
+        assert isinstance(res.error, dp.DataPlaneError) and res.objects == {}
+        assert res.answered and not res.may_retry_elsewhere
+        assert pool.created == 1
+        assert pool.idle_bytes() == 1 << 20  # back in the pool without a collection
+    finally:
+        gc.enable()
+        client.close()
+        fake.close()
+
+
+def test_an_object_longer_than_a_page_is_refused_before_memory_is_set_aside(server, monkeypatch):
+    pool = dp._MappingPool()
+    monkeypatch.setattr(dp, "RECEIVE_POOL", pool)
+    fake = ScriptedServer(dp.PAGE_HEAD.pack(0, dp.FOUND, 1 << 40))  # claims 1 TiB
+    client = dp.DataPlaneClient("127.0.0.1", fake.port, bytes(dp.TOKEN_BYTES))
+    try:
+        res = client.fetch([h(1)], timeout=10)
+    finally:
+        client.close()
+        fake.close()
+    assert isinstance(res.error, dp.DataPlaneError) and "at most" in str(res.error)
+    # PeerTier hands its max_page_bytes down: a page longer than that is refused too
+    peer = PeerTier(server.address, max_page_bytes=len(page(1)) - 1)
+    try:
+        assert peer.get([h(1)]) == [None]
+        assert peer.metrics["errors"] == 1 and peer.metrics["data_plane_fallbacks"] == 0
+    finally:
+        peer.close()
+    assert pool.created == 0
+
+
+def test_a_connect_timeout_is_a_deadline_not_a_reason_to_fall_back():
+    with socket.create_server(("127.0.0.1", 0), backlog=0) as full:
+        port = full.getsockname()[1]
+        held: list[socket.socket] = []
+        try:
+            for _ in range(16):  # fill the accept queue: further SYNs go unanswered
+                held.append(socket.socket())
+                held[-1].settimeout(0.2)
+                try:
+                    held[-1].connect(("127.0.0.1", port))
+                except TimeoutError:
+                    break
+            else:
+                pytest.skip("this kernel answers every SYN")
+            client = dp.DataPlaneClient("127.0.0.1", port, bytes(16), connect_timeout=0.2)
+            res = client.fetch([h(1)], timeout=10)
+            client.close()
+        finally:
+            for sock in held:
+                sock.close()
+    assert isinstance(res.error, TimeoutError), res.error
+    assert not res.may_retry_elsewhere
+
+
+def test_a_send_the_peer_does_not_take_is_a_timeout():
+    a, b = socket.socketpair()
+    with a, b:
+        with pytest.raises(TimeoutError):  # not BlockingIOError, which is no TimeoutError
+            dp._send_all(a, [bytes(16 << 20)], time.monotonic() + 0.3)
+
+
+# ---------------------------------------------------------------- other platforms
+
+
+def test_where_mappings_cannot_be_reused_receive_memory_is_plain_and_not_held(host, monkeypatch):
+    class NoMremap(mmap.mmap):  # macOS: no mremap, so a resize fails even when unused
+        def resize(self, newsize):
+            super().resize(newsize)  # BufferError while exported, as everywhere
+            raise SystemError("mmap: resizing not available--no mremap()")
+
+    flags = {"MAP_PRIVATE": mmap.MAP_PRIVATE, "MAP_ANONYMOUS": mmap.MAP_ANONYMOUS}
+    if sys.platform.startswith("linux"):
+        assert dp._probe_reuse(mmap)
+    assert not dp._probe_reuse(types.SimpleNamespace(mmap=NoMremap, **flags))
+    assert not dp._probe_reuse(types.SimpleNamespace(mmap=mmap.mmap))  # Windows: no flags
+    pool = dp._MappingPool(reuse=False)
+    monkeypatch.setattr(dp, "RECEIVE_POOL", pool)
+    srv = dp.DataPlaneServer(TierPageSource(host))
+    srv.start()
+    client = dp.DataPlaneClient("127.0.0.1", srv.port, srv.token)
+    try:
+        res = client.fetch([h(1), h(99), h(2)], timeout=10)
+    finally:
+        client.close()
+        srv.stop()
+    assert res.error is None and sorted(res.objects) == [0, 2]
+    assert [bytes(res.objects[i]) for i in (0, 2)] == [page(1), page(2)]
+    assert all(isinstance(o.obj, bytearray) for o in res.objects.values())
+    assert pool._lent == [] and pool.created == 2  # one buffer per object, none kept
+
+
+def test_a_local_failure_in_the_data_plane_client_is_a_miss_not_an_exception(server, monkeypatch):
+    def no_flags(self, size):  # as on Windows before the probe: no mmap.MAP_PRIVATE
+        raise AttributeError("module 'mmap' has no attribute 'MAP_PRIVATE'")
+
+    monkeypatch.setattr(dp._MappingPool, "take", no_flags)
+    peer = PeerTier(server.address)
+    try:
+        assert peer.get([h(1), h(99)]) == [None, None]
+        assert peer.metrics["errors"] == 1 and peer.metrics["misses"] == 2
+    finally:
+        peer.close()

@@ -1,6 +1,7 @@
 """KVTransfer over real loopback sockets, served from a HostTier: pages bigger than a chunk
 round-trip byte-identical, Push validates before storing, and PeerTier turns a dead peer into
-misses (one warning per incident) instead of errors, over the data plane and over Fetch."""
+misses (one warning per incident) instead of errors, over the data plane and over Fetch,
+within one deadline per get."""
 
 from __future__ import annotations
 
@@ -252,6 +253,43 @@ def test_a_peer_past_its_deadline_is_a_miss(faulty, caplog, data_plane):
         assert any("DEADLINE_EXCEEDED" in r.getMessage() for r in caplog.records)
     finally:
         peer.close()
+
+
+class SlowThenFailingSource(TierPageSource):
+    """Each fetch takes ``delay``; the first one then fails (the data plane closes before
+    any page, so PeerTier falls back to Fetch), the next ones serve their tier."""
+
+    def __init__(self, tier: HostTier, delay: float):
+        super().__init__(tier)
+        self.delay, self.calls = delay, 0
+
+    def fetch(self, hashes):
+        self.calls += 1
+        time.sleep(self.delay)
+        if self.calls == 1:
+            raise OSError("disk on fire")
+        return super().fetch(hashes)
+
+
+def test_a_fetch_fallback_gets_only_what_is_left_of_the_deadline(caplog):
+    """One deadline per get(): 0.7 s spent on the data plane leaves 0.3 s of the 1.0 s for
+    Fetch, whose source needs 0.7 s, so the page is a miss (it would have arrived had Fetch
+    been given a deadline of its own)."""
+    tier = HostTier(64 << 20)
+    tier.put([(h(1), page(1))])
+    source = SlowThenFailingSource(tier, delay=0.7)
+    srv = WorkerServer(page_source=source)
+    srv.start_in_thread()
+    peer = PeerTier(srv.address, timeout=1.0)
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvmesh.kvstore.peer"):
+            assert peer.get([h(1)]) == [None]
+        assert source.calls == 2  # the data plane's, then Fetch's
+        assert peer.metrics["data_plane_fallbacks"] == 1 and peer.metrics["errors"] == 1
+        assert any("DEADLINE_EXCEEDED" in r.getMessage() for r in caplog.records)
+    finally:
+        peer.close()
+        srv.stop_in_thread(grace=0)
 
 
 def test_pages_that_arrived_before_a_fault_are_kept(faulty, data_plane):
