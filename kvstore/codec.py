@@ -84,6 +84,12 @@ class PageSpec:
 _SHAPE_FIELDS = ("model_fp", "cache_format", "num_layers", "num_kv_heads", "head_size")
 
 
+def max_object_bytes(spec: PageSpec) -> int:
+    """The most bytes a valid object for ``spec`` can take (length prefix, header, payload);
+    a transport can refuse anything longer before setting memory aside for it."""
+    return _LEN.size + _MAX_HEADER_BYTES + spec.page_nbytes
+
+
 def checksum(payload: Buffer) -> bytes:
     """The 16-byte xxh3-128 digest stored in the header."""
     return xxhash.xxh3_128_digest(payload)

@@ -14,7 +14,14 @@ import logging
 import threading
 from collections.abc import Sequence
 
-from kvmesh.kvstore.codec import Buffer, PageCodecError, PageSpec, decode, encode
+from kvmesh.kvstore.codec import (
+    Buffer,
+    PageCodecError,
+    PageSpec,
+    decode,
+    encode,
+    max_object_bytes,
+)
 from kvmesh.kvstore.host import HostTier
 from kvmesh.kvstore.tier import Tier
 
@@ -36,6 +43,13 @@ class TieredStore:
             raise ValueError(f"tier names must be unique (they label metrics), got {names}")
         self.spec = spec
         self.tiers = list(tiers)
+        # A tier that receives objects from the network (PeerTier) refuses any longer than
+        # this store's pages can be, before allocating for them.
+        bound = max_object_bytes(spec)
+        for t in self.tiers:
+            limit = getattr(t, "max_page_bytes", None)
+            if isinstance(limit, int) and limit > bound:
+                t.max_page_bytes = bound
         first = self.tiers[0]
         if isinstance(first, HostTier) and len(self.tiers) > 1 and first.on_evict is None:
             first.on_evict = self.tiers[1].put  # write-back: host victims spill one tier down

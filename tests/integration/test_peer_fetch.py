@@ -321,3 +321,20 @@ def test_a_worker_without_a_page_store(data_plane):
     finally:
         peer.close()
         srv.stop_in_thread(grace=0)
+
+
+def test_a_store_bounds_its_peer_tiers_objects_to_its_page_size():
+    # A PeerTier built without knowing the model (static --peer addresses) would accept
+    # objects up to its 1 GiB default; the store it joins lowers that to what a page of its
+    # spec can take, so a lying peer cannot make the loader set aside more.
+    from kvmesh.kvstore.codec import max_object_bytes
+    from kvmesh.kvstore.store import TieredStore
+
+    tier = PeerTier(["127.0.0.1:1"])
+    try:
+        assert tier.max_page_bytes > max_object_bytes(SPEC)
+        TieredStore(SPEC, [tier])
+        assert tier.max_page_bytes == max_object_bytes(SPEC)
+        assert max_object_bytes(SPEC) >= len(encode(SPEC, bytes(SPEC.page_nbytes)))
+    finally:
+        tier.close()
