@@ -176,6 +176,46 @@ def cmd_simulate_router(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_calibrate_profile(a: argparse.Namespace) -> int:
+    import json
+    from dataclasses import replace
+
+    from kvmesh.cluster.calibrate import QUICK, CalibrationError, CalibrationSizes, calibrate
+
+    sizes = QUICK if a.quick else CalibrationSizes()
+    given = {k: getattr(a, k) for k in _CALIBRATION_SIZES if getattr(a, k) is not None}
+    sizes = replace(sizes, **given)
+    try:
+        result = calibrate(
+            a.model, name=a.name, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype,
+            redis_url=a.redis_url, sizes=sizes, text_path=a.text, threads=a.threads,
+        )  # fmt: skip
+    except CalibrationError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    text = json.dumps(result, indent=2) + "\n"
+    if a.output:
+        with open(a.output, "w") as f:
+            f.write(text)
+        print(f"calibrate: wrote profile {result['name']!r} to {a.output}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+# calibrate-profile's size options: CalibrationSizes field -> help
+_CALIBRATION_SIZES = {
+    "prefill_tokens": "prompt tokens of each timed cold prefill (default 2048)",
+    "prefix_tokens": "cached prefix served from host / Redis (default 2048)",
+    "repeats": "prompts per prefill and tier measurement, median taken (default 5)",
+    "tier_loads": "host / Redis loads per prompt after its cold prefill, each a sample (default 1)",
+    "decode_batch": "requests decoding together (default 32)",
+    "decode_prompt_tokens": "prompt tokens of each decoding request (default 32)",
+    "decode_tokens": "output tokens of each decoding request (default 32)",
+    "max_num_batched_tokens": "the engine's token budget per step (default 2048)",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvmesh", description="kvmesh LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -225,12 +265,46 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--policy", default="all", help="a policy name, or all (default)")
     s.add_argument("--host-capacity-tokens", type=int, default=0, help="host tier per worker")
     s.add_argument("--redis", action="store_true", help="a shared, unbounded Redis tier")
-    s.add_argument("--profile", default="llama3-8b-h100", help="cost profile")
+    s.add_argument(
+        "--profile", default="llama3-8b-h100",
+        help="cost profile: a built-in name, or a .json file from calibrate-profile",
+    )  # fmt: skip
     s.add_argument("--speed", type=float, default=1.0, help="replay speed-up of the timestamps")
     s.add_argument("--limit", type=int, default=None, help="only the first N requests")
     s.add_argument("--seed", type=int, default=0, help="seed of the policies' tie-breaks")
     s.add_argument("--json", action="store_true", help="print one JSON object keyed by policy")
     s.set_defaults(func=cmd_simulate_router)
+
+    c = sub.add_parser(
+        "calibrate-profile",
+        help="measure a simulate-router cost profile with this machine's engine (JSON)",
+    )
+    from kvmesh.worker.models.loader import DEFAULT_MODEL
+
+    c.add_argument(
+        "--model", default=DEFAULT_MODEL, help="registered name, .gguf file or HF folder"
+    )
+    c.add_argument("--name", default=None, help="profile name (default: model-device-format)")
+    c.add_argument(
+        "--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), fp32, fp16, bf16"
+    )
+    c.add_argument(
+        "--kv-cache-dtype", default="auto", help="auto, fp32, fp16, bf16, fp8, int8, int4"
+    )
+    c.add_argument(
+        "--redis-url", default=None,
+        help="Redis to time (default: a throwaway redis-server on a free loopback port)",
+    )  # fmt: skip
+    c.add_argument("--output", default=None, help="write the JSON here (default: stdout)")
+    c.add_argument("--text", default=None, help="text the prompts are cut from")
+    c.add_argument(
+        "--threads", type=int, default=None,
+        help="torch intra-op threads for the run (default: KVMESH_NUM_THREADS or torch's)",
+    )  # fmt: skip
+    c.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test, noisy numbers")
+    for field, help_ in _CALIBRATION_SIZES.items():
+        c.add_argument("--" + field.replace("_", "-"), type=int, default=None, help=help_)
+    c.set_defaults(func=cmd_calibrate_profile)
 
     from kvmesh.cluster.serve import add_serve_parser  # Ray loads only when `serve` runs
 
