@@ -136,6 +136,8 @@ def cmd_worker(a: argparse.Namespace) -> int:
         max_message_mb=a.max_message_mb,
         grace_s=a.grace_period,
         max_waiting=a.max_waiting,
+        data_plane=False if a.no_data_plane else None,
+        data_plane_port=a.data_plane_port,
         **_engine_kwargs(a),
     )
     return 0
@@ -242,6 +244,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds in-flight streams may finish after SIGTERM/SIGINT",
     )  # fmt: skip
     w.add_argument("--max-waiting", type=int, default=4096, help="queue size (RESOURCE_EXHAUSTED)")
+    w.add_argument(
+        "--data-plane-port", type=int, default=0,
+        help="TCP port of the page data plane peers fetch from (0: any free port)",
+    )  # fmt: skip
+    w.add_argument(
+        "--no-data-plane", action="store_true",
+        help="serve peers over gRPC KVTransfer.Fetch only (no raw-TCP page port)",
+    )  # fmt: skip
     _add_engine_args(w)
     w.set_defaults(func=cmd_worker)
 
