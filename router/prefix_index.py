@@ -24,8 +24,11 @@ differs from the previous page's (usually a handful of times per prompt).
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import compress, groupby, repeat
+from operator import or_
 
 from kvmesh.kvstore.events import BlockEvent, BlockRemoved, BlockStored
 
@@ -86,9 +89,12 @@ class _Worker:
     host: set[bytes] = field(default_factory=set)
     peer: set[bytes] = field(default_factory=set)  # pages it reported in tier "peer"
     redis: set[bytes] = field(default_factory=set)  # pages it reported to Redis
-    # Optimistic device pages (never also in ``device``) -> expiry time. Insertion order is expiry
-    # order (constant TTL, monotonic clock), so they expire from the front.
+    # Optimistic device pages (never also in ``device``) -> expiry of their latest insertion.
     optimistic: dict[bytes, float] = field(default_factory=dict)
+    # (expiry, pages) per insertion, in expiry order (constant TTL, monotonic clock). A page
+    # expires with a batch only if that batch's expiry is still its own: it was not inserted
+    # again, confirmed or removed since.
+    optimistic_batches: deque[tuple[float, list[bytes]]] = field(default_factory=deque)
 
     def tier_set(self, tier: str) -> set[bytes]:
         if tier == DEVICE:
@@ -361,6 +367,7 @@ class PrefixIndex:
             for h in w.optimistic:
                 self._clear_opt(w, h)
             w.optimistic = {}
+            w.optimistic_batches.clear()
         w.last_seq = -1
 
     # ----------------------------------------------------------------- optimistic entries
@@ -378,29 +385,28 @@ class PrefixIndex:
         now = self._clock()
         self._expire(w, now)
         expiry = now + self.optimistic_ttl_s
-        opt, bit = w.optimistic, _DEVICE_BIT << w.shift
-        get, opt_state = self._state.get, self._opt_state
-        n = 0
-        for h in page_hashes:
-            if h in opt:
-                del opt[h]  # re-insert at the back: its expiry moves
-            elif get(h, 0) & bit:
-                continue  # held for real
-            else:
-                opt_state[h] = opt_state.get(h, 0) | bit
-            opt[h] = expiry
-            n += 1
-        self.stats.optimistic_inserted += n
+        bit = _DEVICE_BIT << w.shift
+        # Pages this worker does not hold for real; map/compress/update keep the per-page
+        # work in C loops (a 16K-token prompt is 1,024 pages).
+        held = map(self._state.get, page_hashes, repeat(0))
+        new = list(compress(page_hashes, [not (s & bit) for s in held]))
+        if not new:
+            return
+        opt_state = self._opt_state
+        opt_state.update(zip(new, map(or_, map(opt_state.get, new, repeat(0)), repeat(bit))))
+        w.optimistic.update(dict.fromkeys(new, expiry))  # a page already there: new expiry
+        w.optimistic_batches.append((expiry, new))
+        self.stats.optimistic_inserted += len(new)
 
     def _expire(self, w: _Worker, now: float) -> None:
-        opt = w.optimistic
-        while opt:
-            h, expiry = next(iter(opt.items()))
-            if expiry > now:
-                return
-            del opt[h]
-            self._clear_opt(w, h)
-            self.stats.optimistic_expired += 1
+        batches, opt = w.optimistic_batches, w.optimistic
+        while batches and batches[0][0] <= now:
+            expiry, pages = batches.popleft()
+            for h in pages:
+                if opt.get(h) == expiry:
+                    del opt[h]
+                    self._clear_opt(w, h)
+                    self.stats.optimistic_expired += 1
 
     # ------------------------------------------------------------------------------ match
 
@@ -415,47 +421,40 @@ class PrefixIndex:
         """
         now = self._clock()
         for w in self._workers.values():
-            if w.optimistic:
+            if w.optimistic_batches:
                 self._expire(w, now)
-        get, opt_get = self._state.get, self._opt_state.get
+        # Every page's packed state, looked up by C loops (map), not a Python one.
+        states = map(self._state.get, page_hashes, repeat(0))
+        if self._opt_state:
+            states = map(or_, states, map(self._opt_state.get, page_hashes, repeat(0)))
         # counts[wid] = [device, host, redis, peer]; a worker leaves `active` at its first miss
         counts = {wid: [0, 0, 0, 0] for wid in self._workers}
         active = [(w.shift, counts[wid]) for wid, w in self._workers.items()]
         # A run of pages with the same packed state classifies every worker the same way, so
-        # it is credited in one go when the state changes.
-        prev = -1
-        run = 0
-        classes: list[tuple[list[int], int]] = []  # (counts of an active worker, its tier)
-        for h in page_hashes:
-            key = get(h, 0) | opt_get(h, 0)
-            if key != prev:
-                for c, t in classes:
-                    c[t] += run
-                run = 0
-                prev = key
-                classes, still = [], []
-                if key:
-                    in_redis, at_peer = key & _IN_REDIS, key & _AT_PEER
-                    for item in active:
-                        own = (key >> item[0]) & 7
-                        # the cheapest tier this worker gets the page from; a peer holder
-                        # found here is another worker (its own tiers are checked first)
-                        if own & _DEVICE_BIT:
-                            t = 0
-                        elif own & _HOST_BIT:
-                            t = 1
-                        elif in_redis:
-                            t = 2
-                        elif at_peer or own & _PEER_BIT:
-                            t = 3
-                        else:
-                            continue  # first miss: this worker's run ends here
-                        classes.append((item[1], t))
-                        still.append(item)
-                active = still
-                if not active:
-                    break
-            run += 1
-        for c, t in classes:
-            c[t] += run
+        # each run (groupby) is credited in one go.
+        for key, run in groupby(states):
+            if not key:
+                break  # no worker can get this page: every run ends here
+            in_redis, at_peer = key & _IN_REDIS, key & _AT_PEER
+            n = sum(1 for _ in run)
+            still = []
+            for item in active:
+                own = (key >> item[0]) & 7
+                c = item[1]
+                # the cheapest tier this worker gets the page from; a peer holder found here
+                # is another worker (its own tiers are checked first)
+                if own & _DEVICE_BIT:
+                    c[0] += n
+                elif own & _HOST_BIT:
+                    c[1] += n
+                elif in_redis:
+                    c[2] += n
+                elif at_peer or own & _PEER_BIT:
+                    c[3] += n
+                else:
+                    continue  # first miss: this worker's run ends here
+                still.append(item)
+            active = still
+            if not active:
+                break
         return {wid: Match(*c) if any(c) else NO_MATCH for wid, c in counts.items()}
