@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from kvmesh.kvstore.codec import PageSpec
+from kvmesh.kvstore.host import HostTier
 from kvmesh.kvstore.store import TieredStore
 from kvmesh.worker.kv_cache import Page
 from kvmesh.worker.request import Request
@@ -64,7 +65,8 @@ class KVOffloader:
         self._backlog = 0  # pages copied out but not yet put (spill thread)
         self._lock = threading.Lock()
         self.metrics = {
-            "spilled_pages": 0, "spill_skipped_pages": 0, "spill_errors": 0,
+            "spilled_pages": 0, "spill_skipped_pages": 0, "spill_already_stored_pages": 0,
+            "spill_errors": 0,
             "loads": 0, "loaded_pages": 0, "load_errors": 0,
         }  # fmt: skip
 
@@ -81,6 +83,18 @@ class KVOffloader:
         if not self._evicted:
             return
         evicted, self._evicted = self._evicted, []
+        first = self.store.tiers[0] if self.store is not None else None
+        if isinstance(first, HostTier):
+            # A page loaded from host (or spilled before) and evicted again is still there,
+            # byte for byte (same hash, same bytes): copying, encoding and storing it again
+            # would only cost. In multi-turn chat most evictions are such pages. Asked of the
+            # in-memory host tier only; a remote first tier is never asked on this thread.
+            held = first.contains([h for h, _ in evicted])
+            kept = [e for e, x in zip(evicted, held) if not x]
+            if len(kept) < len(evicted):
+                with self._lock:
+                    self.metrics["spill_already_stored_pages"] += len(evicted) - len(kept)
+                evicted = kept
         with self._lock:
             room = max(self.max_spill_backlog - self._backlog, 0)
             if len(evicted) > room:

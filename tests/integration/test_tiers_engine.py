@@ -76,6 +76,25 @@ def test_evicted_prefix_is_served_from_host(host_engine, prompts, reference):
     assert m["offload"]["spilled_pages"] >= 64 and m["tiers"]["host"]["hits"] >= 63
 
 
+def test_a_page_the_host_still_holds_is_not_spilled_again(host_engine, prompts, reference):
+    # a's pages come back from host; evicting them again (b needs the room) must not copy,
+    # encode and store them a second time, and a third round still serves a from host.
+    a, b = prompts[0], prompts[1]
+    _run(host_engine, a)
+    _run(host_engine, b)
+    host_engine.engine.offloader.drain()
+    out, _ = _run(host_engine, a)  # loaded from host
+    assert out.cached_tokens_by_tier["host"] >= 1008
+    m0 = host_engine.engine.store_metrics()["offload"]
+    _run(host_engine, b)  # evicts a's loaded pages again
+    host_engine.engine.offloader.drain()
+    m1 = host_engine.engine.store_metrics()["offload"]
+    assert m1["spill_already_stored_pages"] - m0["spill_already_stored_pages"] >= 60
+    out, _ = _run(host_engine, a)
+    assert out.cached_tokens_by_tier["host"] >= 1008
+    assert out.token_ids == reference[0]
+
+
 def test_reset_prefix_cache_spills_and_device_hit_follows(host_engine, prompts, reference):
     _run(host_engine, prompts[1])
     assert host_engine.reset_prefix_cache() > 0
