@@ -8,9 +8,11 @@ on versus device-only recompute, and Redis throughput. Prints one JSON object.
    ``--redis-url``), with ratios to cold. Medians over ``--repeats`` prompts.
 2. ``--conversations`` x ``--turns``: each turn resends the whole history plus
    ``--turn-tokens`` new tokens and generates ``--output-tokens``; every conversation's turn
-   is submitted together. The device KV budget (``--device-memory``) is far below the
-   working set, so earlier turns are evicted. Same engine settings with a host tier versus
-   without any tier (recompute). Outputs of the two runs are compared token for token.
+   is submitted together. With ``--context-tokens N`` each conversation opens with its own
+   N-token document (chat over a long prompt) after the shared system prompt. The device KV
+   budget (``--device-memory``) is far below the working set, so earlier turns are evicted.
+   Same engine settings with a host tier versus without any tier (recompute). Outputs of the
+   two runs are compared token for token.
 3. Batched put/get throughput of the Redis tier in GB/s of page payload.
 
 Progress goes to stderr.
@@ -99,7 +101,11 @@ def bench_ttft(args, text: str, redis_url: str) -> dict:
 def run_conversations(llm: LLM, args, text: str) -> dict:
     n, turns = args.conversations, args.turns
     system = llm.tokenizer.encode(text[:2000])[: args.turn_tokens]
-    histories = [list(system) for _ in range(n)]
+    if args.context_tokens:  # each conversation opens with its own document after the system
+        docs = prompts_from_text(llm, text, n, args.context_tokens, offset=900_000)
+        histories = [list(system) + d for d in docs]
+    else:
+        histories = [list(system) for _ in range(n)]
     params = SamplingParams(max_tokens=args.output_tokens, temperature=0.0, ignore_eos=True)
     ttfts, outputs, prompt_tokens = [], [], 0
     t0 = time.perf_counter()
@@ -147,6 +153,9 @@ def bench_conversations(args, text: str) -> dict:
     return {
         "conversations": args.conversations,
         "turns": args.turns,
+        "turn_tokens": args.turn_tokens,
+        "output_tokens": args.output_tokens,
+        "context_tokens": args.context_tokens,
         "device_memory": args.device_memory,
         "host_memory": args.host_memory,
         "tiers": on,
@@ -167,6 +176,10 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--turn-tokens", type=int, default=100)
     ap.add_argument("--output-tokens", type=int, default=16)
+    ap.add_argument(
+        "--context-tokens", type=int, default=0,
+        help="a per-conversation document of this many tokens before the first turn",
+    )  # fmt: skip
     ap.add_argument("--device-memory", default="192MiB", help="below the working set")
     ap.add_argument("--host-memory", default="4GiB")
     ap.add_argument("--max-num-seqs", type=int, default=16)
