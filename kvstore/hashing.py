@@ -24,6 +24,8 @@ _U32 = next(t for t in ("I", "L") if array(t).itemsize == 4)
 
 def _encode_tokens(tokens: Sequence[int]) -> memoryview:
     """Token ids as little-endian uint32 bytes; ValueError for ids outside [0, 2**32)."""
+    if isinstance(tokens, (bytes, bytearray, memoryview)):
+        tokens = list(tokens)  # array() would read raw bytes as packed uint32s
     try:
         a = array(_U32, tokens)
     except (OverflowError, TypeError) as e:

@@ -66,6 +66,18 @@ class HostTier(Tier):
         with self._lock:
             return [h in self._objects for h in hashes]
 
+    def touch(self, hashes: Sequence[bytes]) -> list[bool]:
+        """Which pages are held; those that are become the most recently used (as a put of
+        the same object would make them), without counting a read."""
+        out: list[bool] = []
+        with self._lock:
+            for h in hashes:
+                held = h in self._objects
+                if held:
+                    self._objects.move_to_end(h)
+                out.append(held)
+        return out
+
     def get(self, hashes: Sequence[bytes]) -> list[bytes | None]:
         out: list[bytes | None] = []
         with self._lock:

@@ -78,7 +78,7 @@ class CostModel:
                 raise ValueError(f"CostModel.{name} must be in [0, 1] (1 = recompute), got {v}")
         if self.decode_cost < 0:
             raise ValueError(f"CostModel.decode_cost must be >= 0, got {self.decode_cost}")
-        if self.queue_weight < 0:
+        if not self.queue_weight >= 0:  # NaN too
             raise ValueError(f"CostModel.queue_weight must be >= 0, got {self.queue_weight}")
 
     @classmethod
@@ -140,8 +140,10 @@ class LoadGuard:
         cls, slack_s: float, prefill_tokens_per_s: float, *, ratio: float = 2.0
     ) -> LoadGuard:
         """A guard whose slack is ``slack_s`` seconds of queued prefill at the given rate."""
-        if prefill_tokens_per_s <= 0:
+        if not prefill_tokens_per_s > 0:  # NaN too
             raise ValueError(f"prefill_tokens_per_s must be > 0, got {prefill_tokens_per_s}")
+        if not slack_s >= 0:
+            raise ValueError(f"slack_s must be >= 0, got {slack_s}")
         return cls(ratio=ratio, slack_tokens=slack_s * prefill_tokens_per_s)
 
     def overloaded(self, load: float, min_load: float) -> bool:
@@ -312,7 +314,8 @@ class LeastLoaded(RoutingPolicy):
 class PrefixAffinity(RoutingPolicy):
     """The worker with the least expected work for this request, among those not overloaded.
 
-    Expected work = prompt tokens no tier has + tier-priced fetched tokens + queued load. A
+    Expected work = prompt tokens no tier has + tier-priced fetched tokens + queue_weight x
+    queued load (the guard judges the unweighted load). A
     session key sticks to the worker it last went to while that worker is not overloaded;
     the table keeps the ``max_sessions`` most recent keys.
     """

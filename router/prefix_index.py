@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import compress, groupby, repeat
-from operator import or_
+from operator import not_, or_
 
 from kvmesh.kvstore.events import BlockEvent, BlockRemoved, BlockStored
 
@@ -388,8 +388,8 @@ class PrefixIndex:
         bit = _DEVICE_BIT << w.shift
         # Pages this worker does not hold for real; map/compress/update keep the per-page
         # work in C loops (a 16K-token prompt is 1,024 pages).
-        held = map(self._state.get, page_hashes, repeat(0))
-        new = list(compress(page_hashes, [not (s & bit) for s in held]))
+        held = map(bit.__and__, map(self._state.get, page_hashes, repeat(0)))
+        new = list(compress(page_hashes, map(not_, held)))
         if not new:
             return
         opt_state = self._opt_state
@@ -436,7 +436,7 @@ class PrefixIndex:
             if not key:
                 break  # no worker can get this page: every run ends here
             in_redis, at_peer = key & _IN_REDIS, key & _AT_PEER
-            n = sum(1 for _ in run)
+            n = len(list(run))
             still = []
             for item in active:
                 own = (key >> item[0]) & 7

@@ -101,7 +101,11 @@ def get_profile(name_or_path: str | Path) -> SimProfile:
     name = str(name_or_path)
     if name in PROFILES:
         return PROFILES[name]
-    if name.endswith(".json") or Path(name).is_file():
+    try:
+        is_file = Path(name).is_file()
+    except (OSError, ValueError):  # a name too long or odd to be a path
+        is_file = False
+    if name.endswith(".json") or is_file:
         return load_profile(name)
     raise ValueError(
         f"unknown simulator profile {name!r}; accepted: {', '.join(sorted(PROFILES))}, "
@@ -152,6 +156,11 @@ def profile_from_dict(data: object, *, source: str, default_name: str) -> SimPro
         v = data[k]
         if isinstance(v, bool) or not isinstance(v, int | float):
             raise ValueError(f"{source}: field {k!r} must be a number, got {v!r}")
+        if k != "kv_bytes_per_token":
+            try:
+                v = float(v)
+            except OverflowError:
+                raise ValueError(f"{source}: field {k!r} is out of range: {v!r}") from None
         values[k] = v
     kv = values["kv_bytes_per_token"]
     if not (isinstance(kv, int) or (math.isfinite(kv) and kv == int(kv))):

@@ -192,7 +192,7 @@ class SimConfig:
             raise ValueError(f"host_capacity_tokens must be >= 0, got {self.host_capacity_tokens}")
         if not self.speed > 0:
             raise ValueError(f"speed must be > 0, got {self.speed}")
-        if self.guard_slack_s < 0:
+        if not self.guard_slack_s >= 0:  # NaN too
             raise ValueError(f"guard_slack_s must be >= 0, got {self.guard_slack_s}")
 
 

@@ -87,9 +87,10 @@ class KVOffloader:
         if isinstance(first, HostTier):
             # A page loaded from host (or spilled before) and evicted again is still there,
             # byte for byte (same hash, same bytes): copying, encoding and storing it again
-            # would only cost. In multi-turn chat most evictions are such pages. Asked of the
-            # in-memory host tier only; a remote first tier is never asked on this thread.
-            held = first.contains([h for h, _ in evicted])
+            # would only cost; touching it keeps the LRU order a put would have given. In
+            # multi-turn chat most evictions are such pages. Asked of the in-memory host tier
+            # only; a remote first tier is never asked on this thread.
+            held = first.touch([h for h, _ in evicted])
             kept = [e for e, x in zip(evicted, held) if not x]
             if len(kept) < len(evicted):
                 with self._lock:

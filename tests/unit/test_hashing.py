@@ -160,3 +160,10 @@ def test_negative_start_page_raises_value_error():
     parent = root_hash(FP)
     with pytest.raises(ValueError, match="start_page"):
         hash_pages(TOKENS[:4], 4, FP, parent=parent, start_page=-1)
+
+
+def test_bytes_input_hashes_each_byte_as_one_token():
+    # bytes are a sequence of small ints; they must not be read as packed uint32s
+    data = bytes(range(8))
+    assert hash_pages(data, 4, FP) == hash_pages(list(data), 4, FP)
+    assert len(hash_pages(bytearray(data), 4, FP)) == 2

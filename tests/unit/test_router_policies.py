@@ -106,8 +106,12 @@ def test_queue_weight_scales_queued_work_against_recompute():
     pol = make_policy("prefix_affinity", guard=LoadGuard(slack_tokens=1e9), rng=random.Random(0))
     loads["w0"] = WorkerLoad(queued_prefill_tokens=11_000)
     assert pol.pick(REQ, {"w0": Match(device=64)}, loads).worker_id == "w1"
-    with pytest.raises(ValueError, match="queue_weight"):
-        CostModel(queue_weight=-1)
+    for bad in (-1, float("nan")):
+        with pytest.raises(ValueError, match="queue_weight"):
+            CostModel(queue_weight=bad)
+    assert LoadGuard.from_seconds(5.0, 20_000.0).slack_tokens == 100_000.0
+    with pytest.raises(ValueError, match="prefill_tokens_per_s"):
+        LoadGuard.from_seconds(5.0, float("nan"))
 
 
 def test_decode_load_counts_per_running_sequence():
