@@ -9,7 +9,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.setup-stamp
 RUN_ARGS ?=
 
-.PHONY: setup run test test-unit lint format redis clean
+.PHONY: setup run test test-unit lint format redis cc clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,7 +26,13 @@ redis:
 	  echo "installing redis-server"; \
 	  apt-get update -q && apt-get install -y -q redis-server; }
 
-setup: $(STAMP) redis
+# a C compiler builds the CPU attention kernel (kernels/cpu_attention.c) on first use
+cc:
+	@command -v $${CC:-cc} >/dev/null 2>&1 || { \
+	  echo "installing gcc"; \
+	  apt-get update -q && apt-get install -y -q gcc; }
+
+setup: $(STAMP) redis cc
 
 run: setup
 	$(BIN)/python -m kvmesh.cluster.demo $(RUN_ARGS)

@@ -24,3 +24,14 @@ def num_threads() -> int | None:
 def log_level() -> str:
     """KVMESH_LOG_LEVEL: the level of kvmesh's loggers (default INFO)."""
     return _str("KVMESH_LOG_LEVEL", "INFO").upper()
+
+
+def cpu_kernels_enabled() -> bool:
+    """KVMESH_CPU_KERNELS: build and use kvmesh's C attention kernel on CPU (default 1; 0
+    keeps the pure torch path)."""
+    return _str("KVMESH_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def c_compiler() -> str:
+    """CC: the C compiler that builds the CPU kernels (default ``cc``)."""
+    return _str("CC", "") or "cc"

@@ -21,6 +21,12 @@ def _torch_backend(**kw) -> AttentionBackend:
     return TorchAttentionBackend(**kw)
 
 
+def _cpu_backend(**kw) -> AttentionBackend:
+    from kvmesh.worker.attention.torch_backend import TorchAttentionBackend
+
+    return TorchAttentionBackend(native=True, **kw)
+
+
 def _triton_backend(**kw) -> AttentionBackend:
     from kvmesh.worker.attention.triton_backend import TritonAttentionBackend
 
@@ -28,7 +34,8 @@ def _triton_backend(**kw) -> AttentionBackend:
 
 
 _REGISTRY: dict[str, Callable[..., AttentionBackend]] = {
-    "torch": _torch_backend,
+    "torch": _torch_backend,  # pure torch: the reference
+    "cpu": _cpu_backend,  # torch, with decode in kvmesh's C kernel where it builds
     "triton": _triton_backend,  # Triton kernels on CUDA, their torch twins elsewhere
 }
 
@@ -42,14 +49,17 @@ def available_backends() -> list[str]:
 
 
 def get_backend(name: str, **kwargs) -> AttentionBackend:
-    """The backend ``name``: ``"torch"`` (CPU and reference) or ``"triton"`` (CUDA)."""
+    """The backend ``name``: ``"torch"`` (reference), ``"cpu"`` (torch plus the C decode
+    kernel) or ``"triton"`` (CUDA)."""
     if name not in _REGISTRY:
         raise ValueError(f"unknown attention backend {name!r}; available: {available_backends()}")
     return _REGISTRY[name](**kwargs)
 
 
 def default_backend_name(device: str) -> str:
-    return "triton" if device.startswith("cuda") and "triton" in _REGISTRY else "torch"
+    if device.startswith("cuda") and "triton" in _REGISTRY:
+        return "triton"
+    return "cpu" if device == "cpu" and "cpu" in _REGISTRY else "torch"
 
 
 __all__ = [

@@ -11,9 +11,16 @@ request's partially filled last page taken from its full-precision residual slot
 Decode (one query token per request) folds each KV head's group of query heads into the
 query-length axis: q (B, Hkv, G, D) against k (B, Hkv, L, D). Every K/V tile is read once
 per group and no repeat of K/V is materialised.
+
+With ``native=True`` (the ``cpu`` backend), decode over float-format pages runs in
+kvmesh's C kernel (``kernels.cpu_attention``), which reads the pages in place instead of
+gathering them; if the kernel cannot be built (no C compiler), one warning is logged and
+the torch path runs.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -21,13 +28,34 @@ import torch.nn.functional as F
 from kvmesh.kernels.quant import hadamard_transform, value_rotation_block
 from kvmesh.worker.attention.base import AttentionBackend, AttentionMetadata, LayerCache
 
+log = logging.getLogger(__name__)
+
+
+def _native_decode():
+    """The C decode kernel, built on first use, or None (with one warning) where it can't
+    be."""
+    from kvmesh.kernels import cpu_attention
+    from kvmesh.worker import envs
+
+    if not envs.cpu_kernels_enabled():
+        return None
+    try:
+        cpu_attention.build(build_dir=envs.cache_dir() / "kernels", cc=envs.c_compiler())
+    except cpu_attention.CpuKernelError as e:
+        if not getattr(_native_decode, "warned", False):
+            _native_decode.warned = True
+            log.warning("CPU attention kernel unavailable, using torch decode: %s", e)
+        return None
+    return cpu_attention.paged_decode_attention_cpu
+
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def __init__(self, sliding_window: int | None = None):
+    def __init__(self, sliding_window: int | None = None, native: bool = False):
         self.sliding_window = sliding_window
         self._meta: AttentionMetadata | None = None
+        self._native = _native_decode() if native else None
 
     def prepare(self, meta: AttentionMetadata) -> None:
         self._meta = meta
@@ -105,7 +133,13 @@ class TorchAttentionBackend(AttentionBackend):
             vc[self._page_idx, self._page_off] = v.to(vc.dtype)
         out = torch.empty_like(q)
         nd = meta.num_decode
-        if nd:
+        if nd and self._native is not None and not cache.quantized and q.device.type == "cpu":
+            self._native(
+                q=q[:nd], fmt=cache.cache_format, cache=cache.views,
+                block_tables=meta.decode_block_tables, context_lens=meta.decode_context_lens,
+                scale=scale, sliding_window=self.sliding_window, out=out[:nd],
+            )  # fmt: skip
+        elif nd:
             tables = meta.decode_block_tables  # (B, P)
             B, P = tables.shape
             kk, vv = self._read_pages(cache, tables.reshape(-1), q.dtype)  # (B * P, bs, Hkv, D)
