@@ -1,7 +1,7 @@
 /* Paged decode attention for CPUs: one new query token per sequence against its cached
  * keys, read in place from the page pool through the block table (no gather copy).
  *
- * Built on first use by kernels/cpu_attention.py (cc -O3 -march=native -fopenmp) and called
+ * Built on first use by kernels/cpu_native.py (cc -O3 -march=native -fopenmp) and called
  * through ctypes; its torch twin is kernels.decode_attention.paged_decode_attention_torch.
  *
  * Layout, in elements of the cache type T:
@@ -246,8 +246,8 @@ DEFINE_DECODE(kvmesh_decode_attention_f32, float, f32)
 DEFINE_DECODE(kvmesh_decode_attention_bf16, uint16_t, bf16)
 DEFINE_DECODE(kvmesh_decode_attention_f16, _Float16, f16)
 
-/* The ABI version the Python side checks, bumped with any signature change. */
-int kvmesh_cpu_attention_abi(void) { return 1; }
+/* The ABI version kernels/cpu_native.py checks, bumped with any signature change. */
+int kvmesh_cpu_abi(void) { return 2; }
 
 /* Whether this build has the hand-vectorised path (for tests and logs). */
 int kvmesh_cpu_attention_vectorized(void) { return VEC_PATH; }

@@ -168,6 +168,10 @@ class LLMEngine:
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
         backend_name = attention_backend or default_backend_name(self.device.type)
         self.backend = get_backend(backend_name, sliding_window=cfg.sliding_window)
+        if backend_name == "cpu":  # the C kernels serve the model's elementwise ops too
+            from kvmesh.worker import cpu_kernels
+
+            self.model.cpu_kernels = cpu_kernels.load()
         self.runner = ModelRunner(
             self.model, self.layer_caches, self.kv, self.backend, self.device, n_slots
         )

@@ -76,10 +76,18 @@ def _make_checkpoint(tmp_path_factory, name: str):
     return path, model
 
 
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_tiny_model_matches_transformers(tmp_path_factory, name):
+def test_tiny_model_matches_transformers(tmp_path_factory, name, backend):
+    """``cpu`` (the default on CPU: C decode attention and fused elementwise ops) and
+    ``torch`` (the pure torch reference) both equal transformers."""
     path, hf = _make_checkpoint(tmp_path_factory, name)
-    llm = LLM(str(path), dtype="float32", num_pages=64, block_size=8, max_num_batched_tokens=24)
+    llm = LLM(str(path), dtype="float32", num_pages=64, block_size=8, max_num_batched_tokens=24,
+              attention_backend=backend)  # fmt: skip
+    eng = llm.engine
+    native = backend == "cpu"
+    assert (eng.model.cpu_kernels is not None) == native, "the C kernels must build here"
+    assert (eng.backend._native is not None) == native
     assert llm.tokenizer is None  # no tokenizer files: prompts are token ids
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 17, 33, 70)]

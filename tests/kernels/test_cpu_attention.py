@@ -10,7 +10,7 @@ import torch
 from kvsim import KVSim
 from test_decode_attention import _dense_decode
 
-from kvmesh.kernels import cpu_attention
+from kvmesh.kernels import cpu_attention, cpu_native
 from kvmesh.kernels.cache_write import write_kv_cache_torch
 from kvmesh.kernels.decode_attention import paged_decode_attention_torch
 from kvmesh.worker import envs
@@ -23,11 +23,9 @@ def libraries(tmp_path_factory):
     """Both builds. No compiler is a failure that says how to install one, not a skip."""
     d = tmp_path_factory.mktemp("cpu-kernels")
     cc = envs.c_compiler()
-    native = cpu_attention.CpuAttentionLibrary(
-        cpu_attention.compile_library(build_dir=d, cc=cc)
-    )
-    portable = cpu_attention.CpuAttentionLibrary(
-        cpu_attention.compile_library(build_dir=d, cc=cc, flags=cpu_attention.PORTABLE_FLAGS)
+    native = cpu_native.CpuLibrary(cpu_native.compile_library(build_dir=d, cc=cc))
+    portable = cpu_native.CpuLibrary(
+        cpu_native.compile_library(build_dir=d, cc=cc, flags=cpu_native.PORTABLE_FLAGS)
     )
     assert not portable.vectorized
     return {"native": native, "portable": portable}
@@ -84,7 +82,9 @@ def test_null_page_padding_is_never_read(libraries):
     NaN must not change the result."""
     sim = _sim("fp32", 2, 64, [[5, 33]], seed=4)
     args = _args(sim, torch.randn(2, 4, 64), 0.3)
-    args["block_tables"] = torch.cat([args["block_tables"], torch.zeros(2, 3, dtype=torch.int64)], 1)
+    args["block_tables"] = torch.cat(
+        [args["block_tables"], torch.zeros(2, 3, dtype=torch.int64)], 1
+    )
     sim.views()["k"][0] = float("nan")
     sim.views()["v"][0] = float("nan")
     for lib in libraries.values():
@@ -124,17 +124,17 @@ def test_bad_arguments_are_named(libraries):
 
 
 def test_missing_compiler_names_the_fix(tmp_path):
-    with pytest.raises(cpu_attention.CpuKernelError, match="apt-get install -y gcc"):
-        cpu_attention.compile_library(build_dir=tmp_path, cc="/nonexistent/cc")
+    with pytest.raises(cpu_native.CpuKernelError, match="apt-get install -y gcc"):
+        cpu_native.compile_library(build_dir=tmp_path, cc="/nonexistent/cc")
 
 
 def test_build_is_cached_by_source_and_flags(tmp_path):
-    a = cpu_attention.compile_library(build_dir=tmp_path, cc=envs.c_compiler())
+    a = cpu_native.compile_library(build_dir=tmp_path, cc=envs.c_compiler())
     mtime = a.stat().st_mtime_ns
-    assert cpu_attention.compile_library(build_dir=tmp_path, cc=envs.c_compiler()) == a
+    assert cpu_native.compile_library(build_dir=tmp_path, cc=envs.c_compiler()) == a
     assert a.stat().st_mtime_ns == mtime  # found, not rebuilt
-    b = cpu_attention.compile_library(
-        build_dir=tmp_path, cc=envs.c_compiler(), flags=cpu_attention.PORTABLE_FLAGS
+    b = cpu_native.compile_library(
+        build_dir=tmp_path, cc=envs.c_compiler(), flags=cpu_native.PORTABLE_FLAGS
     )
     assert b != a
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([a.name, b.name])  # no temps

@@ -15,38 +15,16 @@ per group and no repeat of K/V is materialised.
 With ``native=True`` (the ``cpu`` backend), decode over float-format pages runs in
 kvmesh's C kernel (``kernels.cpu_attention``), which reads the pages in place instead of
 gathering them; if the kernel cannot be built (no C compiler), one warning is logged and
-the torch path runs.
+the torch path runs (``worker.cpu_kernels``).
 """
 
 from __future__ import annotations
-
-import logging
 
 import torch
 import torch.nn.functional as F
 
 from kvmesh.kernels.quant import hadamard_transform, value_rotation_block
 from kvmesh.worker.attention.base import AttentionBackend, AttentionMetadata, LayerCache
-
-log = logging.getLogger(__name__)
-
-
-def _native_decode():
-    """The C decode kernel, built on first use, or None (with one warning) where it can't
-    be."""
-    from kvmesh.kernels import cpu_attention
-    from kvmesh.worker import envs
-
-    if not envs.cpu_kernels_enabled():
-        return None
-    try:
-        cpu_attention.build(build_dir=envs.cache_dir() / "kernels", cc=envs.c_compiler())
-    except cpu_attention.CpuKernelError as e:
-        if not getattr(_native_decode, "warned", False):
-            _native_decode.warned = True
-            log.warning("CPU attention kernel unavailable, using torch decode: %s", e)
-        return None
-    return cpu_attention.paged_decode_attention_cpu
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -55,7 +33,14 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self, sliding_window: int | None = None, native: bool = False):
         self.sliding_window = sliding_window
         self._meta: AttentionMetadata | None = None
-        self._native = _native_decode() if native else None
+        self._native = None
+        if native:
+            from kvmesh.worker import cpu_kernels
+
+            if cpu_kernels.load() is not None:
+                from kvmesh.kernels.cpu_attention import paged_decode_attention_cpu
+
+                self._native = paged_decode_attention_cpu
 
     def prepare(self, meta: AttentionMetadata) -> None:
         self._meta = meta

@@ -13,7 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvmesh.kernels import cpu_ops
 from kvmesh.kernels.cpu_linear import PackedLinear
+from kvmesh.kernels.cpu_ops import rmsnorm_torch, rotary_torch, silu_mul_torch
 from kvmesh.worker.attention import AttentionBackend, LayerCache
 from kvmesh.worker.models.config import ModelConfig
 
@@ -58,12 +60,6 @@ class RotaryEmbedding(nn.Module):
         return emb.cos().to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x: (T, H, D). Half-split (rotate_half) layout, as Hugging Face: x*cos +
-    [-x2, x1]*sin, written as x*cos + roll(x)*[-sin, sin] (the same values, bit for bit)."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -71,10 +67,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rmsnorm_torch(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -107,12 +100,24 @@ class Attention(nn.Module):
         else:
             qkv = self.qkv(x)  # (T, (nh + 2 nkv) hd)
         n_qk = (self.nh + self.nkv) * self.hd
-        qk = apply_rotary(qkv[:, :n_qk].view(T, self.nh + self.nkv, self.hd), cos, sin)
+        qk = rotary_torch(qkv[:, :n_qk].view(T, self.nh + self.nkv, self.hd), cos, sin)
         q, k = qk[:, : self.nh], qk[:, self.nh :]  # (T, nh, hd), (T, nkv, hd)
         v = qkv[:, n_qk:].view(T, self.nkv, self.hd)  # (T, nkv, hd)
         o = backend.forward(q, k, v, cache, self.scale)  # (T, nh, hd)
         o = o.reshape(T, self.nh * self.hd)
         return self.o(o) if self.o is not None else self.o_proj(o)
+
+    def forward_cpu(self, x, cos, sin, cache: LayerCache, backend: AttentionBackend, lib):
+        """``forward`` with rotary applied in place on the fused qkv output, in C."""
+        T = x.shape[0]
+        qkv = self.qkv(x)  # (T, (nh + 2 nkv) hd), contiguous
+        cpu_ops.rotary_cpu_(qkv, self.nh + self.nkv, self.hd, cos, sin, library=lib)
+        n_q, n_qk = self.nh * self.hd, (self.nh + self.nkv) * self.hd
+        q = qkv[:, :n_q].view(T, self.nh, self.hd)
+        k = qkv[:, n_q:n_qk].view(T, self.nkv, self.hd)
+        v = qkv[:, n_qk:].view(T, self.nkv, self.hd)
+        o = backend.forward(q, k, v, cache, self.scale)  # (T, nh, hd)
+        return self.o(o.reshape(T, self.nh * self.hd))
 
 
 class MLP(nn.Module):
@@ -138,8 +143,10 @@ class MLP(nn.Module):
     def forward(self, x):
         if self.gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down(silu_mul_torch(self.gate_up(x)))
+
+    def forward_cpu(self, x, lib):
+        return self.down(cpu_ops.silu_mul_cpu(self.gate_up(x), library=lib))
 
 
 class DecoderLayer(nn.Module):
@@ -175,6 +182,7 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.head: PackedLinear | None = None
+        self.cpu_kernels = None  # a kernels.cpu_native.CpuLibrary: fused elementwise ops in C
 
     def fuse_projections(self) -> None:
         """Fuse q/k/v and gate/up weights for inference. Call after loading the weights."""
@@ -194,8 +202,34 @@ class LlamaForCausalLM(nn.Module):
         m = self.model
         x = m.embed_tokens(input_ids)  # (T, hidden)
         cos, sin = m.rotary_emb(positions, x.dtype)
-        for i, layer in enumerate(m.layers):
-            x = layer(x, cos, sin, caches[i], backend)
+        if self._cpu_path(x):
+            x = self._layers_cpu(x, cos, sin, caches, backend)
+        else:
+            for i, layer in enumerate(m.layers):
+                x = layer(x, cos, sin, caches[i], backend)
         x = m.norm(x[logit_indices])  # (S, hidden)
         logits = self.head(x) if self.head is not None else self.lm_head(x)
         return logits.float()  # (S, vocab)
+
+    def _cpu_path(self, x: torch.Tensor) -> bool:
+        fused = self.head is not None
+        return self.cpu_kernels is not None and fused and x.dtype == torch.float32 and x.is_cpu
+
+    def _layers_cpu(self, x, cos, sin, caches, backend) -> torch.Tensor:
+        """The decoder layers with their elementwise ops fused in C: the residual stream x
+        (T, hidden) is updated in place, and each residual add is fused with the RMSNorm
+        that follows it. Same math and order as ``DecoderLayer.forward``."""
+        lib, layers = self.cpu_kernels, self.model.layers
+        norm = layers[0].input_layernorm
+        h = cpu_ops.rmsnorm_cpu(x, norm.weight, norm.eps, library=lib)
+        for i, layer in enumerate(layers):
+            a = layer.self_attn.forward_cpu(h, cos, sin, caches[i], backend, lib)
+            norm = layer.post_attention_layernorm
+            h = cpu_ops.add_rmsnorm_cpu(x, a, norm.weight, norm.eps, library=lib)
+            mlp_out = layer.mlp.forward_cpu(h, lib)
+            if i + 1 < len(layers):
+                norm = layers[i + 1].input_layernorm
+                h = cpu_ops.add_rmsnorm_cpu(x, mlp_out, norm.weight, norm.eps, library=lib)
+            else:
+                x += mlp_out
+        return x

@@ -1,0 +1,163 @@
+"""Build and load kvmesh's C kernels for CPUs (``cpu_attention.c``, ``cpu_ops.c``).
+
+``build()`` compiles the sources into one shared library with the system C compiler, in a
+build directory (the engine passes ``$KVMESH_CACHE_DIR/kernels`` and ``$CC``, read by
+``worker.envs``), under a name keyed by the sources, the compiler, the flags and the CPU's
+feature flags (``-march=native`` code must not run on another CPU), then loads it with
+ctypes, which releases the GIL for each call. The library links OpenMP by soname, so it
+shares torch's already loaded ``libgomp`` thread pool rather than starting a second one.
+
+``-ffp-contract=off`` keeps elementwise kernels bit-equal to torch's (no fused
+multiply-adds the torch kernels don't use); the attention kernel's FMAs are explicit.
+Where the build fails (no compiler), callers keep the torch twins.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_attention.c", "cpu_ops.c"))
+ABI = 2
+NATIVE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off")
+PORTABLE_FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off")  # scalar paths
+
+# glibc on x86-64 ships libmvec, vector versions of expf & co. that let loops vectorise
+_MVEC = platform.machine() in ("x86_64", "AMD64") and platform.libc_ver()[0] == "glibc"
+_LIBS = ("-DKVMESH_LIBMVEC", "-lmvec", "-lm") if _MVEC else ("-lm",)
+
+_P, _I, _F, _N = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+# symbol -> argument types; every function returns int (0 = done)
+SIGNATURES = {
+    **{
+        f"kvmesh_decode_attention_{t}": [_P] * 6 + [_I] * 7 + [_F, _I, _N]
+        for t in ("f32", "bf16", "f16")
+    },
+    "kvmesh_rmsnorm_f32": [_P, _P, _P, _I, _I, _F, _N],
+    "kvmesh_add_rmsnorm_f32": [_P, _P, _P, _P, _I, _I, _F, _N],
+    "kvmesh_rotary_f32": [_P, _P, _P, _I, _I, _I, _I, _N],
+    "kvmesh_silu_mul_f32": [_P, _P, _I, _I, _N],
+}
+
+_lock = threading.Lock()
+_default: CpuLibrary | None = None
+_error: str | None = None  # why the default library failed to build or load, once tried
+
+
+class CpuKernelError(RuntimeError):
+    """The C kernels could not be built or loaded; the message says why."""
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler_id(cc: str) -> str:
+    try:
+        r = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
+        return r.stdout.splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return cc
+
+
+def compile_library(
+    *, build_dir: Path, cc: str = "cc", flags: tuple[str, ...] = NATIVE_FLAGS
+) -> Path:
+    """Compile SOURCES once per (sources, compiler, flags, CPU) into ``build_dir``; return
+    the shared object's path. Raises CpuKernelError with the compiler's message."""
+    if shutil.which(cc) is None:
+        raise CpuKernelError(
+            f"no C compiler ({cc!r} not found): install one (apt-get install -y gcc) or set "
+            "CC; without it kvmesh runs the slower torch paths"
+        )
+    parts = [*(s.read_bytes() for s in SOURCES), _compiler_id(cc).encode()]
+    parts += [" ".join((*flags, *_LIBS)).encode(), _cpu_flags().encode()]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+    out = Path(build_dir) / f"kvmesh_cpu-{key}.so"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # build beside the target and rename: concurrent processes never load a partial file
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    cmd = [cc, *flags, "-shared", "-fPIC", *map(str, SOURCES), "-o", tmp, *_LIBS]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if r.returncode != 0:
+            raise CpuKernelError(
+                f"compiling kvmesh's CPU kernels failed: {' '.join(cmd)}\n"
+                f"{r.stderr.strip()[-2000:]}"
+            )
+        os.replace(tmp, out)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise CpuKernelError(f"compiling kvmesh's CPU kernels failed: {e}") from e
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    log.info("built kvmesh's CPU kernels: %s", out)
+    return out
+
+
+class CpuLibrary:
+    """A loaded build: ``lib.fn(name)`` is the ctypes function, arguments typed."""
+
+    def __init__(self, path: Path):
+        torch.get_num_threads()  # torch's libgomp is loaded: the library's OpenMP binds to it
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError as e:
+            raise CpuKernelError(f"loading kvmesh's CPU kernels {path} failed: {e}") from e
+        if lib.kvmesh_cpu_abi() != ABI:
+            raise CpuKernelError(f"stale CPU kernel library {path} (ABI != {ABI}): delete it")
+        self.path = path
+        self.vectorized = bool(lib.kvmesh_cpu_attention_vectorized())
+        self._fns = {}
+        for name, argtypes in SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes = argtypes
+            fn.restype = ctypes.c_int
+            self._fns[name] = fn
+        self._lib = lib  # keeps the shared object mapped
+
+    def fn(self, name: str):
+        return self._fns[name]
+
+
+def build(*, build_dir: Path, cc: str = "cc") -> CpuLibrary:
+    """Compile (or find in ``build_dir``) and load the default, native library once per
+    process. Raises CpuKernelError saying why it cannot; a failure is remembered."""
+    global _default, _error
+    with _lock:
+        if _default is None and _error is None:
+            try:
+                _default = CpuLibrary(compile_library(build_dir=build_dir, cc=cc))
+            except CpuKernelError as e:
+                _error = str(e)
+        if _default is None:
+            raise CpuKernelError(_error)
+        return _default
+
+
+def default_library() -> CpuLibrary:
+    """The library ``build()`` loaded; CpuKernelError if it has not (or could not)."""
+    if _default is None:
+        raise CpuKernelError(_error or "call kernels.cpu_native.build() first")
+    return _default
