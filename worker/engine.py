@@ -168,7 +168,11 @@ class LLMEngine:
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
         backend_name = attention_backend or default_backend_name(self.device.type)
         self.backend = get_backend(backend_name, sliding_window=cfg.sliding_window)
-        if backend_name == "cpu":  # the C kernels serve the model's elementwise ops too
+        if backend_name == "cpu" and not layout.quantized:
+            # the C kernels serve the model's elementwise ops too. Not under quantized
+            # caches: their RMSNorm and SiLU round differently from torch's in the last bit,
+            # which int4 can turn into a different code, and quantized outputs are held to
+            # equal the fake-quantized reference token for token
             from kvmesh.worker import cpu_kernels
 
             self.model.cpu_kernels = cpu_kernels.load()

@@ -77,8 +77,8 @@ def test_unknown_backend_is_refused():
         get_backend("cuda-magic")
 
 
-def test_cpu_default_is_torch_and_cuda_default_is_triton():
+def test_cpu_default_is_cpu_and_cuda_default_is_triton():
     from kvmesh.worker.attention import default_backend_name
 
-    assert default_backend_name("cpu") == "torch"
+    assert default_backend_name("cpu") == "cpu"  # torch plus kvmesh's C kernels
     assert default_backend_name("cuda") == "triton"
