@@ -137,3 +137,25 @@ class PageLayout:
         return (
             self.num_layers, 2, num_slots, self.block_size, self.num_kv_heads, self.head_size
         )  # fmt: skip
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """A uint8 page tensor (n, page_nbytes) viewed as int64 where the size allows: torch's
+    CPU index_select/index_copy_ move one element at a time, and 8-byte elements copied a
+    whole page ~6x faster than bytes (40 fp32 SmolLM2 pages: 21 ms -> 3.7 ms)."""
+    if t.shape[-1] % 8 == 0 and t.is_contiguous() and t.storage_offset() % 8 == 0:
+        return t.view(torch.int64)
+    return t
+
+
+def read_pages(buf: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """A copy of pool pages ``ids`` (n,) int64: (n, page_nbytes) uint8, on buf's device."""
+    return _wide(buf).index_select(0, ids.to(buf.device)).view(torch.uint8)
+
+
+def write_pages(buf: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None:
+    """Copy ``rows`` (n, page_nbytes) uint8 into pool pages ``ids`` (n,) int64."""
+    wide_buf, wide_rows = _wide(buf), _wide(rows)
+    if wide_buf.dtype != wide_rows.dtype:  # one of them cannot take the wide view
+        wide_buf, wide_rows = buf, rows
+    wide_buf.index_copy_(0, ids.to(buf.device), wide_rows)

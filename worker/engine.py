@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmesh.kernels.page_format import PageLayout, resolve_format
+from kvmesh.kernels.page_format import PageLayout, read_pages, resolve_format, write_pages
 from kvmesh.kvstore.codec import PageSpec
 from kvmesh.kvstore.events import EventLog
 from kvmesh.kvstore.host import HostTier
@@ -234,7 +234,7 @@ class LLMEngine:
         if not hit:
             return [None] * len(hashes)
         idx = torch.tensor(hit, dtype=torch.int64, device=self.kv_buffer.device)
-        rows = self.kv_buffer.index_select(0, idx).cpu().numpy()
+        rows = read_pages(self.kv_buffer, idx).cpu().numpy()
         it = iter(rows)
         return [next(it).tobytes() if i >= 0 else None for i in ids]
 
@@ -290,10 +290,12 @@ class LLMEngine:
                 pages = pool.take(len(todo))
                 self.offloader.flush_spills(self.kv_buffer)  # copy victims out first
                 ids = torch.tensor([p.page_id for p in pages], dtype=torch.int64)
-                rows = torch.from_numpy(res.payloads[todo])
+                # the whole load (the usual case) is written from the payloads as they are
+                payload = res.payloads if len(todo) == len(res.payloads) else res.payloads[todo]
+                rows = torch.from_numpy(payload)
                 if self.device.type == "cuda":  # through pinned memory: one DMA copy
                     rows = rows.pin_memory().to(self.device, non_blocking=True)
-                self.kv_buffer.index_copy_(0, ids.to(self.device), rows)
+                write_pages(self.kv_buffer, ids, rows)
                 for page, i in zip(pages, todo):
                     n = res.first_page + i
                     parent = req.block_hashes[n - 1] if n else None

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvmesh.kernels.page_format import read_pages
 from kvmesh.kvstore.codec import PageSpec
 from kvmesh.kvstore.host import HostTier
 from kvmesh.kvstore.store import TieredStore
@@ -105,7 +106,7 @@ class KVOffloader:
         if not evicted:
             return
         ids = torch.tensor([pid for _, pid in evicted], dtype=torch.int64)
-        rows = kv_buffer.index_select(0, ids.to(kv_buffer.device))  # (n, page_nbytes)
+        rows = read_pages(kv_buffer, ids)  # (n, page_nbytes)
         if rows.is_cuda:  # device -> pinned host memory: a DMA copy, not a pageable bounce
             staged = torch.empty(rows.shape, dtype=torch.uint8, pin_memory=True)
             staged.copy_(rows)  # synchronous: the slots may be overwritten by the next step
