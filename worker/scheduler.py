@@ -51,6 +51,9 @@ class Scheduler:
         self.kv.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
+        # its pages now spill as any freed cached page does: on resumption it may load them
+        # back from the store again, however many loads it made before
+        victim.store_loads, victim.store_run = 0, -1
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(victim)
