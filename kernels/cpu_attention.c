@@ -55,6 +55,24 @@ static inline __m512 ld16_f16(const _Float16 *p) {
 /* Scratch per thread, in floats: scores (Hq, bs), accumulators (Hq, D), max and sum (Hq). */
 #define WORK_FLOATS(Hq, D, bs) ((Hq) * (bs) + (Hq) * (D) + 2 * (Hq))
 
+/* Per query head: running max m = -inf, sum l = 0, accumulator acc (Hq, D) = 0. */
+static inline void start_softmax(float *acc, float *m, float *l, int64_t Hq, int64_t D) {
+    for (int64_t g = 0; g < Hq; g++) {
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * Hq * D);
+}
+
+/* out (Hq, D) = acc / l, per query head */
+static inline void finish_softmax(const float *acc, const float *l, float *out, int64_t Hq,
+                                  int64_t D) {
+    for (int64_t g = 0; g < Hq; g++) {
+        const float inv = 1.0f / l[g];
+        for (int64_t d = 0; d < D; d++) out[g * D + d] = acc[g * D + d] * inv;
+    }
+}
+
 /* Online softmax over one page's scores s (Hq, bs), nt valid: turns them into weights
  * relative to the running max m and rescales the accumulators when the max moves. */
 static inline void fold_page(float *s, float *acc, float *m, float *l, int64_t Hq, int64_t D,
@@ -84,11 +102,7 @@ static inline void fold_page(float *s, float *acc, float *m, float *l, int64_t H
         int64_t bs, int64_t page_stride, float scale, float *work) {                         \
         const int64_t C = D / 16, row = Hkv * D, G = Hq / Hkv;                               \
         float *s = work, *acc = s + Hq * bs, *m = acc + Hq * D, *l = m + Hq;                 \
-        for (int64_t g = 0; g < Hq; g++) {                                                   \
-            m[g] = -INFINITY;                                                                \
-            l[g] = 0.0f;                                                                     \
-        }                                                                                    \
-        memset(acc, 0, sizeof(float) * Hq * D);                                              \
+        start_softmax(acc, m, l, Hq, D);                                                     \
         const int64_t first = lo / bs, last = (L - 1) / bs;                                  \
         for (int64_t pg = first; pg <= last; pg++) {                                         \
             const T *kp = k_cache + table[pg] * page_stride;                                 \
@@ -135,10 +149,7 @@ static inline void fold_page(float *s, float *acc, float *m, float *l, int64_t H
                 }                                                                            \
             }                                                                                \
         }                                                                                    \
-        for (int64_t g = 0; g < Hq; g++) {                                                   \
-            const float inv = 1.0f / l[g];                                                   \
-            for (int64_t d = 0; d < D; d++) ob[g * D + d] = acc[g * D + d] * inv;            \
-        }                                                                                    \
+        finish_softmax(acc, l, ob, Hq, D);                                                   \
     }
 DEFINE_SEQ_VEC(seq_vec_f32, float, ld16_f32)
 DEFINE_SEQ_VEC(seq_vec_bf16, uint16_t, ld16_bf16)
@@ -153,11 +164,7 @@ DEFINE_SEQ_VEC(seq_vec_f16, _Float16, ld16_f16)
                      float *work) {                                                          \
         const int64_t row = Hkv * D, G = Hq / Hkv;                                           \
         float *s = work, *acc = s + Hq * bs, *m = acc + Hq * D, *l = m + Hq;                 \
-        for (int64_t g = 0; g < Hq; g++) {                                                   \
-            m[g] = -INFINITY;                                                                \
-            l[g] = 0.0f;                                                                     \
-        }                                                                                    \
-        memset(acc, 0, sizeof(float) * Hq * D);                                              \
+        start_softmax(acc, m, l, Hq, D);                                                     \
         for (int64_t pg = lo / bs; pg <= (L - 1) / bs; pg++) {                               \
             const T *kp = k_cache + table[pg] * page_stride;                                 \
             const T *vp = v_cache + table[pg] * page_stride;                                 \
@@ -179,10 +186,7 @@ DEFINE_SEQ_VEC(seq_vec_f16, _Float16, ld16_f16)
                     for (int64_t d = 0; d < D; d++) acc[g * D + d] += p * LD(vr + d);        \
                 }                                                                            \
         }                                                                                    \
-        for (int64_t g = 0; g < Hq; g++) {                                                   \
-            const float inv = 1.0f / l[g];                                                   \
-            for (int64_t d = 0; d < D; d++) ob[g * D + d] = acc[g * D + d] * inv;            \
-        }                                                                                    \
+        finish_softmax(acc, l, ob, Hq, D);                                                   \
     }
 DEFINE_SEQ_SCALAR(seq_scalar_f32, float, ld1_f32)
 DEFINE_SEQ_SCALAR(seq_scalar_bf16, uint16_t, ld1_bf16)

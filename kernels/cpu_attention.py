@@ -24,11 +24,6 @@ _SYMBOLS = {
 }
 
 
-def supports(fmt: str, q: torch.Tensor) -> bool:
-    """Whether ``paged_decode_attention_cpu`` handles this cache format and query."""
-    return fmt in _SYMBOLS and q.device.type == "cpu" and q.is_floating_point()
-
-
 def paged_decode_attention_cpu(
     *,
     q: torch.Tensor,
