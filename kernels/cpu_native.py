@@ -7,8 +7,9 @@ feature flags (``-march=native`` code must not run on another CPU), then loads i
 ctypes, which releases the GIL for each call. The library links OpenMP by soname, so it
 shares torch's already loaded ``libgomp`` thread pool rather than starting a second one.
 
-``-ffp-contract=off`` keeps elementwise kernels bit-equal to torch's (no fused
-multiply-adds the torch kernels don't use); the attention kernel's FMAs are explicit.
+``-ffp-contract=off``: no fused multiply-adds the torch kernels don't use, so each product
+and sum rounds as torch's does (rotary is bit-equal to its twin; RMSNorm's sum order and
+SiLU's ``exp`` still differ in the last bit). The attention kernel's FMAs are explicit.
 Where the build fails (no compiler), callers keep the torch twins.
 """
 

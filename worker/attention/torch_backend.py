@@ -49,7 +49,9 @@ class TorchAttentionBackend(AttentionBackend):
         self._page_idx = meta.slot_mapping // bs  # (T,) where each new token is written
         self._page_off = meta.slot_mapping % bs
         self._decode_mask = None
-        if meta.num_decode:
+        quantized = meta.residual_slots is not None
+        # the C kernel reads float pages by context length: no mask to build for it
+        if meta.num_decode and (self._native is None or quantized or dev.type != "cpu"):
             B, P = meta.decode_block_tables.shape
             pos = torch.arange(P * bs, dtype=torch.int64, device=dev)
             ctx = meta.decode_context_lens[:, None]
@@ -57,7 +59,6 @@ class TorchAttentionBackend(AttentionBackend):
             if self.sliding_window is not None:
                 mask &= pos[None, :] >= ctx - self.sliding_window
             self._decode_mask = mask[:, None, None, :]  # (B, 1, 1, L)
-        quantized = meta.residual_slots is not None
         self._prefill = []
         for span in meta.prefills:
             # nothing cached: causal over the new tokens, no gather (float formats only: a
