@@ -16,8 +16,10 @@ residual): see ``residual_shape``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 ALIGN = 16
@@ -148,9 +150,30 @@ def _wide(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def read_pages(buf: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """A copy of pool pages ``ids`` (n,) int64: (n, page_nbytes) uint8, on buf's device."""
-    return _wide(buf).index_select(0, ids.to(buf.device)).view(torch.uint8)
+def read_pages(
+    buf: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """A copy of pool pages ``ids`` (n,) int64: (n, page_nbytes) uint8, on buf's device, or
+    in ``out`` (n, page_nbytes) uint8 on any device when given. Copying into reused memory
+    is the fast way out: a fresh buffer that is kept (as a spill's is, until stored) is
+    filled at ~1 GB/s here, because every 4 KiB of it faults on first touch; a reused one
+    at ~5.6 GB/s (measured with 100 SmolLM2 pages)."""
+    ids = ids.to(buf.device)
+    if out is None:
+        return _wide(buf).index_select(0, ids).view(torch.uint8)
+    if out.dtype != torch.uint8 or tuple(out.shape) != (len(ids), buf.shape[1]):
+        raise ValueError(
+            f"out must be uint8 of shape ({len(ids)}, {buf.shape[1]}), "
+            f"got {out.dtype} {tuple(out.shape)}"
+        )
+    if out.device != buf.device:
+        out.copy_(_wide(buf).index_select(0, ids).view(torch.uint8))
+        return out
+    wide_buf, wide_out = _wide(buf), _wide(out)
+    if wide_buf.dtype != wide_out.dtype:
+        wide_buf, wide_out = buf, out
+    torch.index_select(wide_buf, 0, ids, out=wide_out)
+    return out
 
 
 def write_pages(buf: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None:
@@ -159,3 +182,29 @@ def write_pages(buf: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> Non
     if wide_buf.dtype != wide_rows.dtype:  # one of them cannot take the wide view
         wide_buf, wide_rows = buf, rows
     wide_buf.index_copy_(0, ids.to(buf.device), wide_rows)
+
+
+def write_page_buffers(buf: torch.Tensor, ids: Sequence[int], payloads: Sequence) -> None:
+    """Copy each of ``payloads`` (bytes-like, ``page_nbytes`` each; e.g. views of stored
+    objects) into pool page ``ids[i]``: one copy per page on the CPU, straight from the
+    object, with no staging array between (a fresh one is filled at page-fault speed). On
+    CUDA they are gathered into pinned memory first, then moved in one copy."""
+    if len(ids) != len(payloads):
+        raise ValueError(f"{len(ids)} page ids for {len(payloads)} payloads")
+    nbytes = buf.shape[1]
+    for p in payloads:
+        if memoryview(p).nbytes != nbytes:
+            raise ValueError(f"a payload is {memoryview(p).nbytes} bytes, pages are {nbytes}")
+    if not payloads:
+        return
+    if buf.device.type == "cpu":
+        pool = buf.numpy()
+        for i, p in zip(ids, payloads):
+            pool[i] = np.frombuffer(p, dtype=np.uint8)
+        return
+    staged = torch.empty((len(payloads), nbytes), dtype=torch.uint8, pin_memory=True)
+    rows = staged.numpy()
+    for j, p in enumerate(payloads):
+        rows[j] = np.frombuffer(p, dtype=np.uint8)
+    idx = torch.tensor(list(ids), dtype=torch.int64)
+    write_pages(buf, idx, staged.to(buf.device, non_blocking=True))

@@ -11,7 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmesh.kernels.page_format import PageLayout, read_pages, resolve_format, write_pages
+from kvmesh.kernels.page_format import (
+    PageLayout,
+    read_pages,
+    resolve_format,
+    write_page_buffers,
+)
 from kvmesh.kvstore.codec import PageSpec
 from kvmesh.kvstore.events import EventLog
 from kvmesh.kvstore.host import HostTier
@@ -289,13 +294,9 @@ class LLMEngine:
             if todo:
                 pages = pool.take(len(todo))
                 self.offloader.flush_spills(self.kv_buffer)  # copy victims out first
-                ids = torch.tensor([p.page_id for p in pages], dtype=torch.int64)
-                # the whole load (the usual case) is written from the payloads as they are
-                payload = res.payloads if len(todo) == len(res.payloads) else res.payloads[todo]
-                rows = torch.from_numpy(payload)
-                if self.device.type == "cuda":  # through pinned memory: one DMA copy
-                    rows = rows.pin_memory().to(self.device, non_blocking=True)
-                write_pages(self.kv_buffer, ids, rows)
+                write_page_buffers(
+                    self.kv_buffer, [p.page_id for p in pages], [res.payloads[i] for i in todo]
+                )
                 for page, i in zip(pages, todo):
                     n = res.first_page + i
                     parent = req.block_hashes[n - 1] if n else None

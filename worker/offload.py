@@ -20,7 +20,6 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from kvmesh.kernels.page_format import read_pages
@@ -38,7 +37,9 @@ class LoadResult:
     request: Request
     first_page: int  # index in the request's block_hashes of the first loaded page
     tiers: list[str]  # per loaded page, the tier it came from
-    payloads: np.ndarray  # (n, page_nbytes) uint8
+    # per loaded page, its validated payload: a zero-copy view of the stored object, so the
+    # engine thread's copy into the pool is the only one; None where the device holds it
+    payloads: list[memoryview | None]
 
 
 class KVOffloader:
@@ -65,6 +66,7 @@ class KVOffloader:
         self._done = threading.Event()  # set by the loader when a load finishes
         self._backlog = 0  # pages copied out but not yet put (spill thread)
         self._lock = threading.Lock()
+        self._staging = _StagingBuffers(self.page_nbytes)
         self.metrics = {
             "spilled_pages": 0, "spill_skipped_pages": 0, "spill_already_stored_pages": 0,
             "spill_errors": 0,
@@ -105,18 +107,19 @@ class KVOffloader:
             self._backlog += len(evicted)
         if not evicted:
             return
-        ids = torch.tensor([pid for _, pid in evicted], dtype=torch.int64)
-        rows = read_pages(kv_buffer, ids)  # (n, page_nbytes)
-        if rows.is_cuda:  # device -> pinned host memory: a DMA copy, not a pageable bounce
-            staged = torch.empty(rows.shape, dtype=torch.uint8, pin_memory=True)
-            staged.copy_(rows)  # synchronous: the slots may be overwritten by the next step
-            rows = staged
-        rows = rows.numpy()
-        self._spill_pool.submit(self._spill, [h for h, _ in evicted], rows)
+        per = self._staging.pages_per_buffer
+        for at in range(0, len(evicted), per):
+            part = evicted[at : at + per]
+            ids = torch.tensor([pid for _, pid in part], dtype=torch.int64)
+            buf = self._staging.take(kv_buffer.device.type == "cuda")
+            # synchronous even from CUDA: the slots may be overwritten by the next step
+            read_pages(kv_buffer, ids, out=buf[: len(part)])
+            self._spill_pool.submit(self._spill, [h for h, _ in part], buf)
 
-    def _spill(self, hashes: list[bytes], rows: np.ndarray) -> None:
+    def _spill(self, hashes: list[bytes], buf: torch.Tensor) -> None:
         try:
-            self.store.put([(h, memoryview(rows[i])) for i, h in enumerate(hashes)])
+            rows = buf.numpy()
+            self.store.put([(h, memoryview(rows[i])) for i, h in enumerate(hashes)])  # copies
             with self._lock:
                 self.metrics["spilled_pages"] += len(hashes)
         except Exception:
@@ -124,6 +127,7 @@ class KVOffloader:
             with self._lock:
                 self.metrics["spill_errors"] += 1
         finally:
+            self._staging.give(buf)
             with self._lock:
                 self._backlog -= len(hashes)
 
@@ -185,7 +189,7 @@ class KVOffloader:
         spilled: Future | None = None,
     ) -> LoadResult:
         tiers: list[str] = []
-        payloads = np.empty((0, self.page_nbytes), dtype=np.uint8)
+        payloads: list[memoryview | None] = []
         try:
             if spilled is not None:
                 spilled.result()
@@ -197,21 +201,14 @@ class KVOffloader:
                     break
                 rest = slice(len(got), None)
                 got += self._fetch_run(self._peer_store(address), hashes[rest], on_device[rest])
-            if got:
-                n = len(got)
-                payloads = np.empty((n, self.page_nbytes), dtype=np.uint8)
-                for i in range(n):
-                    if got[i] is None:
-                        tiers.append("device")  # held on the device: nothing fetched
-                        continue
-                    tier, payload = got[i]
-                    payloads[i] = np.frombuffer(payload, dtype=np.uint8)
-                    tiers.append(tier)
+            for g in got:
+                tiers.append("device" if g is None else g[0])  # device: held, not fetched
+                payloads.append(None if g is None else g[1])
         except Exception:  # a tier bug must not fail the request: it is recomputed
             logger.exception("loading %s's prefix failed; computing it", req.request_id)
             with self._lock:
                 self.metrics["load_errors"] += 1
-            tiers, payloads = [], np.empty((0, self.page_nbytes), dtype=np.uint8)
+            tiers, payloads = [], []
         finally:
             self._done.set()
         with self._lock:
@@ -247,3 +244,37 @@ class KVOffloader:
         for store in [self.store, *self._peer_stores.values()]:
             if store is not None:
                 store.close()
+
+
+class _StagingBuffers:
+    """Reused host buffers that carry evicted pages from the pool to the spill thread.
+
+    A page must leave the pool before the step that reuses its slot, and it stays in host
+    memory until the spill thread has encoded it. A new buffer each time would be filled at
+    page-fault speed; these are faulted in once and then reused (pinned on CUDA, so the copy
+    out of the device is one DMA). Each holds ``pages_per_buffer`` pages (about 16 MiB);
+    at most ``keep_bytes`` of idle buffers are kept. Thread-safe.
+    """
+
+    def __init__(self, page_nbytes: int, buffer_bytes: int = 16 << 20, keep_bytes: int = 256 << 20):
+        self.page_nbytes = page_nbytes
+        self.pages_per_buffer = max(1, buffer_bytes // page_nbytes)
+        self.keep = max(1, keep_bytes // (self.pages_per_buffer * page_nbytes))
+        self._idle: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+        self.created = 0
+
+    def take(self, pinned: bool) -> torch.Tensor:
+        """A (pages_per_buffer, page_nbytes) uint8 buffer, idle or new."""
+        with self._lock:
+            for i, b in enumerate(self._idle):
+                if b.is_pinned() == pinned:
+                    return self._idle.pop(i)
+            self.created += 1
+        shape = (self.pages_per_buffer, self.page_nbytes)
+        return torch.empty(shape, dtype=torch.uint8, pin_memory=pinned)
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            if len(self._idle) < self.keep:
+                self._idle.append(buf)
