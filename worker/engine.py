@@ -186,6 +186,7 @@ class LLMEngine:
         )
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        self._pending_loads: list = []  # finished loads waiting for room in the pool
         self.store, self.offloader = self._make_store(
             host_cache_memory, redis_url, redis_ttl_s, extra_tiers
         )
@@ -246,12 +247,12 @@ class LLMEngine:
     def _park(self, req: Request, device_pages: list) -> bool:
         """Scheduler hook: take ``req`` aside to load the rest of its prefix from the store.
         The last prompt token is always computed, so at most ``(num_tokens - 1) //
-        block_size`` pages can be served. The request's device pages are held (a reference
-        each) while it waits, so other work cannot evict the prefix the loaded pages continue.
+        block_size`` pages can be served. The request's device pages are held (``kv.hold``)
+        while it waits, so other work cannot evict the prefix the loaded pages continue.
 
         It looks again whenever its device run is shorter than what it last reached (its
-        cached pages were evicted, so spilled, while it waited for room), up to
-        ``_MAX_LOADS`` times."""
+        pages were given up, evicted and spilled: after a preemption, or when the scheduler
+        released every hold to make room), up to ``_MAX_LOADS`` times per admission."""
         if self.store is None and not req.peer_hints:
             return False
         max_pages = (req.num_tokens - 1) // self.cache_config.block_size
@@ -267,45 +268,50 @@ class LLMEngine:
         # device pages past the first gap (an older part of the prompt was evicted first)
         # continue the run once the gap is loaded: hold them too
         later = [self.kv.pool.lookup(h) for h in rest]
-        held = list(device_pages) + [p for p in later if p is not None]
-        self.kv.pool.touch(held)
-        req.held_while_loading = held
+        self.kv.hold(req, list(device_pages) + [p for p in later if p is not None])
         self.offloader.start_load(req, num_device_pages, rest, [p is not None for p in later])
         return True
 
     def _admit_loaded(self) -> None:
         """Write finished loads into free device pages as cached pages and requeue their
-        requests at the head of the queue."""
+        requests at the head of the queue. The loaded run stays held for its request until
+        the scheduler admits it, so other work cannot evict it first. A load that does not
+        fit beside what running requests need to grow waits for room (running requests
+        free theirs as they finish) rather than being written in part and recomputed."""
         pool, bs = self.kv.pool, self.cache_config.block_size
-        for res in self.offloader.finished_loads():
+        pending, self._pending_loads = self._pending_loads, []
+        pending += self.offloader.finished_loads()
+        reserve = pool.num_pages // 8  # room for the running requests' next pages
+        for res in pending:
             req = res.request
             if self.requests.get(req.request_id) is not req:
                 continue  # aborted while loading
-            req.store_run = res.first_page + len(res.tiers)  # the run it can now expect
-            hashes = req.block_hashes[res.first_page : res.first_page + len(res.tiers)]
+            first, end = res.first_page, res.first_page + len(res.tiers)
+            hashes = req.block_hashes[first:end]
             # pages the device has (held since parking, or gained meanwhile) need no copy
             todo = [
                 i for i, h in enumerate(hashes)
                 if res.tiers[i] != "device" and pool.lookup(h) is None
             ]  # fmt: skip
-            # the request's device prefix has been held since it was parked
-            prefix, req.held_while_loading = req.held_while_loading, []
+            if len(todo) > pool.num_free - reserve and self.scheduler.running:
+                self._pending_loads.append(res)
+                continue
+            req.store_run = end  # the run it can now expect
             todo = todo[: pool.num_free]
-            if todo:
-                pages = pool.take(len(todo))
+            pages = pool.take(len(todo))
+            if pages:
                 self.offloader.flush_spills(self.kv_buffer)  # copy victims out first
                 write_page_buffers(
                     self.kv_buffer, [p.page_id for p in pages], [res.payloads[i] for i in todo]
                 )
-                for page, i in zip(pages, todo):
-                    n = res.first_page + i
-                    parent = req.block_hashes[n - 1] if n else None
-                    pool.cache_page(
-                        page, hashes[i], parent, req.all_token_ids[n * bs : (n + 1) * bs]
-                    )
-                    req.loaded_from[hashes[i]] = res.tiers[i]
-                pool.release(reversed(pages))
-            pool.release(reversed(prefix))
+            for page, i in zip(pages, todo):
+                n = first + i
+                parent = req.block_hashes[n - 1] if n else None
+                pool.cache_page(page, hashes[i], parent, req.all_token_ids[n * bs : (n + 1) * bs])
+                req.loaded_from[hashes[i]] = res.tiers[i]
+            run = [pool.lookup(h) for h in req.block_hashes[:end]]
+            self.kv.hold(req, [p for p in run if p is not None])  # replaces the parked hold
+            pool.release(reversed(pages))  # the hold keeps them now
             self.scheduler.waiting.appendleft(req)
 
     @property
@@ -397,14 +403,12 @@ class LLMEngine:
             return None
         if self.offloader is not None and self.offloader.is_loading(request_id):
             self.offloader.cancel(request_id)
-            self.kv.pool.release(reversed(req.held_while_loading))
-            req.held_while_loading = []
         self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
         return self._output(req, [], "")
 
     def has_unfinished_requests(self) -> bool:
         loading = self.offloader is not None and self.offloader.num_loading > 0
-        return self.scheduler.has_unfinished() or loading
+        return self.scheduler.has_unfinished() or loading or bool(self._pending_loads)
 
     # ------------------------------------------------------------ the step
 

@@ -190,6 +190,8 @@ class KVCacheManager:
         self._num_hashed: dict[str, int] = {}
         self.prefix_queries = 0  # prompt tokens looked up (Prometheus prefix_cache_queries)
         self.prefix_hits = 0  # of which were found (prefix_cache_hits)
+        # pages pinned for waiting requests (see ``hold``), by request id
+        self._holds: dict[str, list[Page]] = {}
 
     def get_computed_pages(self, req: Request) -> tuple[list[Page], int]:
         """The longest run of cached pages from the start of ``req``'s tokens, and how many
@@ -227,6 +229,7 @@ class KVCacheManager:
                     raise AssertionError("no residual slot left: more running requests than slots")
                 self._req_slot[req.request_id] = self._free_slots.pop()
         self.pool.touch(computed)
+        self.release_hold(req)  # its own references now keep what it uses
         held.extend(computed)
         self._num_hashed[req.request_id] += len(computed)
         new = self.pool.take(max(needed, 0))
@@ -248,7 +251,39 @@ class KVCacheManager:
             )
         self._num_hashed[req.request_id] = max(start, end)
 
+    def hold(self, req: Request, pages: list[Page]) -> None:
+        """Pin ``pages`` (a reference each) for a waiting ``req`` until it is admitted
+        (``allocate_slots``), freed, or ``release_holds`` gives them up: the device prefix of
+        a request parked to load the rest, then also the pages loaded for it, so that other
+        work cannot evict them before it runs. Replaces ``req``'s earlier hold."""
+        self.pool.touch(pages)
+        self.release_hold(req)
+        if pages:
+            self._holds[req.request_id] = list(pages)
+
+    def held(self, req: Request) -> list[Page]:
+        return list(self._holds.get(req.request_id, ()))
+
+    def release_hold(self, req: Request) -> None:
+        pages = self._holds.pop(req.request_id, None)
+        if pages:
+            self.pool.release(reversed(pages))  # its tail is evicted before its prefix
+
+    def release_holds(self) -> int:
+        """Give up every hold (the pages stay cached, now evictable). Returns how many
+        requests held pages."""
+        n = len(self._holds)
+        for pages in self._holds.values():
+            self.pool.release(reversed(pages))
+        self._holds.clear()
+        return n
+
+    @property
+    def num_holds(self) -> int:
+        return len(self._holds)
+
     def free(self, req: Request) -> None:
+        self.release_hold(req)
         pages = self.req_pages.pop(req.request_id, [])
         self._num_hashed.pop(req.request_id, None)
         slot = self._req_slot.pop(req.request_id, None)

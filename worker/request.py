@@ -57,7 +57,6 @@ class Request:
         self.store_loads = 0  # loads started from the tiered store / peers
         self.store_run = -1  # pages its prefix run reached after its last load
         self.peer_hints: list[str] = []  # KVTransfer addresses that may hold its pages
-        self.held_while_loading: list = []  # device prefix pages pinned while it is parked
         self.text = ""
 
     @property

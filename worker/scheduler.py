@@ -100,6 +100,11 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append((req, num_new))
             budget -= num_new
+        if not self.running and not out.scheduled and self.waiting and self.kv.num_holds:
+            # Nothing runs and the head of the queue does not fit: the pages pinned for
+            # waiting requests (parked prefixes, loaded pages) are what it lacks. They stay
+            # cached, now evictable, rather than the engine waiting forever.
+            self.kv.release_holds()
         return out
 
     def finish(self, req: Request, status: RequestStatus) -> None:

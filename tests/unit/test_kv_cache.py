@@ -417,3 +417,42 @@ def test_free_unknown_request_is_noop():
     kv, _ = make_kv(4)
     kv.free(make_req("ghost", [1, 2]))
     assert kv.pool.free_queue.page_ids() == [1, 2, 3]
+
+
+def test_a_hold_pins_cached_pages_until_admission_or_free():
+    kv, _ = make_kv(6)  # 5 usable pages
+    a = make_req("a", range(10, 19))  # 9 tokens: 2 full pages + 1
+    allocate_prompt(kv, a)
+    kv.free(a)  # pages 1, 2 cached, 3 plain; all free
+    b = make_req("b", range(10, 19))
+    computed, _ = kv.get_computed_pages(b)
+    assert [p.page_id for p in computed] == [1, 2]
+    kv.hold(b, computed)  # b waits (e.g. for a load) with its prefix pinned
+    assert refs(kv)[1:3] == [1, 1] and kv.num_holds == 1 and kv.num_free_pages == 3
+    c = make_req("c", range(50, 62))  # 12 tokens: all 3 unpinned pages
+    allocate_prompt(kv, c)
+    assert kv.allocate_slots(make_req("d", [1]), 1) is None  # the held pages are not free
+    kv.free(c)
+    assert kv.allocate_slots(b, 1, computed) is not None  # admitted: its own refs now
+    assert kv.num_holds == 0 and refs(kv)[1:3] == [1, 1]
+    kv.free(b)
+    assert refs(kv) == [1, 0, 0, 0, 0, 0]
+
+
+def test_hold_replaces_the_earlier_one_and_release_holds_gives_all_up():
+    kv, _ = make_kv(6)
+    a = make_req("a", range(10, 19))
+    allocate_prompt(kv, a)
+    pages = list(kv.pool.pages[1:3])
+    kv.free(a)
+    b, c = make_req("b", [1]), make_req("c", [2])
+    kv.hold(b, pages[:1])
+    kv.hold(b, pages)  # a longer run after a load: one reference each, not two
+    kv.hold(c, pages[1:])
+    assert refs(kv)[1:3] == [1, 2]
+    assert kv.held(b) == pages
+    assert kv.release_holds() == 2
+    assert refs(kv)[1:3] == [0, 0] and kv.num_holds == 0 and kv.num_free_pages == 5
+    kv.hold(c, pages)
+    kv.free(c)  # a request freed while waiting lets go of its hold
+    assert refs(kv)[1:3] == [0, 0]

@@ -240,6 +240,23 @@ def test_a_preempted_request_may_load_from_the_store_again():
     assert seen == [("b", 0, -1, 1)]  # asked with a fresh load budget
 
 
+def test_holds_are_given_up_when_nothing_else_can_run():
+    # pages pinned for a waiting request (a load it has not used yet) must not wedge the
+    # engine: with nothing running and the head of the queue unable to fit, they go
+    s = make_sched(num_pages=5)  # 4 usable pages
+    a = make_req("a", range(10, 19))  # 9 tokens: 3 pages
+    s.add(a)
+    step(s)
+    s.finish(a, RequestStatus.FINISHED_LENGTH)
+    b = make_req("b", range(50, 63))  # 13 tokens: needs all 4 pages
+    c = make_req("c", range(10, 19))
+    s.kv.hold(c, s.kv.get_computed_pages(c)[0])  # c's 2 cached pages pinned for it
+    s.add(b)
+    out = s.schedule()
+    assert out.scheduled == [] and s.kv.num_holds == 0  # b could not fit: holds released
+    assert step(s) == [("b", 13)]
+
+
 def test_prefix_hits_set_num_cached_tokens_and_metrics():
     s = make_sched()
     prompt = list(range(10, 22))  # 12 tokens
