@@ -2,15 +2,18 @@
 on versus device-only recompute, and Redis throughput. Prints one JSON object.
 
     .venv/bin/python bench/tiers.py [--prefix-tokens 2048] [--conversations 64] [--turns 4]
+        [--context-tokens 512] [--turn-tokens 64] [--device-memory 1GiB] [--skip ...]
 
 1. TTFT of a request whose ``--prefix-tokens`` prefix is (a) cold, (b) on the device,
    (c) only in host RAM, (d) only in Redis (a throwaway redis-server on loopback unless
    ``--redis-url``), with ratios to cold. Medians over ``--repeats`` prompts.
 2. ``--conversations`` x ``--turns``: each turn resends the whole history plus
    ``--turn-tokens`` new tokens and generates ``--output-tokens``; every conversation's turn
-   is submitted together. With ``--context-tokens N`` each conversation opens with its own
-   N-token document (chat over a long prompt) after the shared system prompt. The device KV
-   budget (``--device-memory``) is far below the working set, so earlier turns are evicted.
+   is submitted together. Each conversation opens with its own ``--context-tokens``
+   document (chat over a long prompt, kvmesh's case; 0 for plain chat) after a shared
+   ``--turn-tokens`` system prompt. The device KV budget (``--device-memory``: 1,456
+   SmolLM2 pages at 1GiB, against ~3,600 for the 64 conversations' last turn) is far below
+   the working set, so earlier turns are evicted.
    Same engine settings with a host tier versus without any tier (recompute). Outputs of the
    two runs are compared token for token.
 3. Batched put/get throughput of the Redis tier in GB/s of page payload.
@@ -174,13 +177,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--conversations", type=int, default=64)
     ap.add_argument("--turns", type=int, default=4)
-    ap.add_argument("--turn-tokens", type=int, default=100)
+    ap.add_argument("--turn-tokens", type=int, default=64)
     ap.add_argument("--output-tokens", type=int, default=16)
     ap.add_argument(
-        "--context-tokens", type=int, default=0,
-        help="a per-conversation document of this many tokens before the first turn",
+        "--context-tokens", type=int, default=512,
+        help="a per-conversation document of this many tokens before the first turn (0: none)",
     )  # fmt: skip
-    ap.add_argument("--device-memory", default="192MiB", help="below the working set")
+    ap.add_argument("--device-memory", default="1GiB", help="below the working set")
     ap.add_argument("--host-memory", default="4GiB")
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)

@@ -17,9 +17,10 @@ EvictCallback = Callable[[list[tuple[bytes, bytes]]], None]
 class HostTier(Tier):
     """Encoded page objects in RAM under a byte budget, evicted least recently used first.
 
-    Objects are plain ``bytes`` on the CPU. On CUDA machines the pinned staging buffer belongs
-    to the engine's copy-in (one pinned buffer reused for host->device copies), so this tier
-    holds ordinary memory and stays usable without CUDA.
+    Objects are plain ``bytes`` on the CPU. On CUDA machines pinned memory belongs to the
+    engine's copies (reused pinned buffers carry spills out of the device; a load is gathered
+    into pinned memory and moved in one copy), so this tier holds ordinary memory and stays
+    usable without CUDA.
 
     ``on_evict`` receives every ``(hash, object)`` that leaves because of the budget, in LRU
     order, including an object too large to be stored at all: that is the write-back hook

@@ -186,7 +186,8 @@ class LLMEngine:
         )
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
-        self._pending_loads: list = []  # finished loads waiting for room in the pool
+        # finished loads waiting for room in the pool: (LoadResult, steps deferred so far)
+        self._pending_loads: list = []
         self.store, self.offloader = self._make_store(
             host_cache_memory, redis_url, redis_ttl_s, extra_tiers
         )
@@ -276,13 +277,14 @@ class LLMEngine:
         """Write finished loads into free device pages as cached pages and requeue their
         requests at the head of the queue. The loaded run stays held for its request until
         the scheduler admits it, so other work cannot evict it first. A load that does not
-        fit beside what running requests need to grow waits for room (running requests
-        free theirs as they finish) rather than being written in part and recomputed."""
+        fit beside room for the running requests waits (they free pages as they finish)
+        rather than being written in part and recomputed, for at most ``_MAX_DEFER_STEPS``
+        steps; then, or when nothing runs, what fits is written."""
         pool, bs = self.kv.pool, self.cache_config.block_size
         pending, self._pending_loads = self._pending_loads, []
-        pending += self.offloader.finished_loads()
+        pending += [(res, 0) for res in self.offloader.finished_loads()]
         reserve = pool.num_pages // 8  # room for the running requests' next pages
-        for res in pending:
+        for res, deferred in pending:
             req = res.request
             if self.requests.get(req.request_id) is not req:
                 continue  # aborted while loading
@@ -293,8 +295,16 @@ class LLMEngine:
                 i for i, h in enumerate(hashes)
                 if res.tiers[i] != "device" and pool.lookup(h) is None
             ]  # fmt: skip
-            if len(todo) > pool.num_free - reserve and self.scheduler.running:
-                self._pending_loads.append(res)
+            # hold the part of the run the device has before taking pages for the rest, so
+            # taking them cannot evict it
+            self.kv.hold(req, [p for h in req.block_hashes[:end] if (p := pool.lookup(h))])
+            if (
+                todo
+                and len(todo) > pool.num_free - reserve
+                and self.scheduler.running
+                and deferred < _MAX_DEFER_STEPS
+            ):
+                self._pending_loads.append((res, deferred + 1))
                 continue
             req.store_run = end  # the run it can now expect
             todo = todo[: pool.num_free]
@@ -309,8 +319,7 @@ class LLMEngine:
                 parent = req.block_hashes[n - 1] if n else None
                 pool.cache_page(page, hashes[i], parent, req.all_token_ids[n * bs : (n + 1) * bs])
                 req.loaded_from[hashes[i]] = res.tiers[i]
-            run = [pool.lookup(h) for h in req.block_hashes[:end]]
-            self.kv.hold(req, [p for p in run if p is not None])  # replaces the parked hold
+            self.kv.hold(req, [p for h in req.block_hashes[:end] if (p := pool.lookup(h))])
             pool.release(reversed(pages))  # the hold keeps them now
             self.scheduler.waiting.appendleft(req)
 
@@ -527,6 +536,7 @@ class LLMEngine:
             if r.num_computed_tokens < r.num_prompt_tokens
         )
         loading = self.offloader.num_loading if self.offloader is not None else 0
+        loading += len(self._pending_loads)  # loaded, waiting for room
         return EngineStats(
             num_requests_running=len(s.running),
             num_requests_waiting=len(s.waiting) + loading,
@@ -573,6 +583,7 @@ class LLMEngine:
 
 
 _MAX_LOADS = 3  # store lookups per request: a prefix evicted again and again is computed
+_MAX_DEFER_STEPS = 32  # steps a finished load may wait for room before it is written in part
 
 
 def _check_format_supported(fmt: str, device: torch.device) -> None:

@@ -98,7 +98,8 @@ class PagePool:
         return self.free_queue.num_free
 
     def usage(self) -> float:
-        """Fraction of usable pages held by running requests (0.0 - 1.0)."""
+        """Fraction of usable pages in use: held by running requests, or pinned for waiting
+        ones (``KVCacheManager.hold``) (0.0 - 1.0)."""
         usable = self.num_pages - 1
         return (usable - self.num_free) / usable
 
@@ -253,9 +254,11 @@ class KVCacheManager:
 
     def hold(self, req: Request, pages: list[Page]) -> None:
         """Pin ``pages`` (a reference each) for a waiting ``req`` until it is admitted
-        (``allocate_slots``), freed, or ``release_holds`` gives them up: the device prefix of
-        a request parked to load the rest, then also the pages loaded for it, so that other
-        work cannot evict them before it runs. Replaces ``req``'s earlier hold."""
+        (``allocate_slots``) or freed: the device prefix of a request parked to load the
+        rest, then also the pages loaded for it, so that other work cannot evict them before
+        it runs. Replaces ``req``'s earlier hold. The scheduler gives holds up when it needs
+        the room (``release_newest_hold`` before preempting a running request,
+        ``release_holds`` when nothing can run)."""
         self.pool.touch(pages)
         self.release_hold(req)
         if pages:
@@ -268,6 +271,15 @@ class KVCacheManager:
         pages = self._holds.pop(req.request_id, None)
         if pages:
             self.pool.release(reversed(pages))  # its tail is evicted before its prefix
+
+    def release_newest_hold(self) -> bool:
+        """Give up the most recent hold (its pages stay cached, now evictable); False when
+        there is none."""
+        if not self._holds:
+            return False
+        _, pages = self._holds.popitem()
+        self.pool.release(reversed(pages))
+        return True
 
     def release_holds(self) -> int:
         """Give up every hold (the pages stay cached, now evictable). Returns how many

@@ -66,7 +66,7 @@ class KVOffloader:
         self._done = threading.Event()  # set by the loader when a load finishes
         self._backlog = 0  # pages copied out but not yet put (spill thread)
         self._lock = threading.Lock()
-        self._staging = _StagingBuffers(self.page_nbytes)
+        self._staging = _StagingBuffers(self.page_nbytes, max_pages=max_spill_backlog)
         self.metrics = {
             "spilled_pages": 0, "spill_skipped_pages": 0, "spill_already_stored_pages": 0,
             "spill_errors": 0,
@@ -99,21 +99,28 @@ class KVOffloader:
                 with self._lock:
                     self.metrics["spill_already_stored_pages"] += len(evicted) - len(kept)
                 evicted = kept
-        with self._lock:
-            room = max(self.max_spill_backlog - self._backlog, 0)
-            if len(evicted) > room:
-                self.metrics["spill_skipped_pages"] += len(evicted) - room
-                evicted = evicted[:room]
-            self._backlog += len(evicted)
-        if not evicted:
-            return
+        # the backlog counts staging slots: a buffer in flight takes all of its slots, however
+        # few pages it carries, so the staging memory stays within the backlog's pages
         per = self._staging.pages_per_buffer
-        for at in range(0, len(evicted), per):
-            part = evicted[at : at + per]
+        parts = [evicted[at : at + per] for at in range(0, len(evicted), per)]
+        with self._lock:
+            room = max(self.max_spill_backlog - self._backlog, 0) // per
+            if len(parts) > room:
+                self.metrics["spill_skipped_pages"] += sum(map(len, parts[room:]))
+                parts = parts[:room]
+            self._backlog += len(parts) * per
+        pinned = kv_buffer.device.type == "cuda"
+        for k, part in enumerate(parts):
             ids = torch.tensor([pid for _, pid in part], dtype=torch.int64)
-            buf = self._staging.take(kv_buffer.device.type == "cuda")
-            # synchronous even from CUDA: the slots may be overwritten by the next step
-            read_pages(kv_buffer, ids, out=buf[: len(part)])
+            buf = self._staging.take(pinned)
+            try:
+                # synchronous even from CUDA: the slots may be overwritten by the next step
+                read_pages(kv_buffer, ids, out=buf[: len(part)])
+            except BaseException:
+                self._staging.give(buf)
+                with self._lock:
+                    self._backlog -= (len(parts) - k) * per
+                raise
             self._spill_pool.submit(self._spill, [h for h, _ in part], buf)
 
     def _spill(self, hashes: list[bytes], buf: torch.Tensor) -> None:
@@ -129,7 +136,7 @@ class KVOffloader:
         finally:
             self._staging.give(buf)
             with self._lock:
-                self._backlog -= len(hashes)
+                self._backlog -= self._staging.pages_per_buffer
 
     def drain(self, timeout: float = 30.0) -> None:
         """Wait until every spill handed over so far is in the store (tests, shutdown)."""
@@ -252,13 +259,22 @@ class _StagingBuffers:
     A page must leave the pool before the step that reuses its slot, and it stays in host
     memory until the spill thread has encoded it. A new buffer each time would be filled at
     page-fault speed; these are faulted in once and then reused (pinned on CUDA, so the copy
-    out of the device is one DMA). Each holds ``pages_per_buffer`` pages (about 16 MiB);
-    at most ``keep_bytes`` of idle buffers are kept. Thread-safe.
+    out of the device is one DMA). Each holds ``pages_per_buffer`` pages (about 16 MiB, at
+    most ``max_pages``); at most ``keep_bytes`` of idle buffers are kept. How many are in
+    flight at once is bounded by the offloader's spill backlog. On CUDA, a pinned buffer
+    given up goes back to torch's caching host allocator, which keeps it for the next
+    pinned allocation. Thread-safe.
     """
 
-    def __init__(self, page_nbytes: int, buffer_bytes: int = 16 << 20, keep_bytes: int = 256 << 20):
+    def __init__(
+        self,
+        page_nbytes: int,
+        max_pages: int = 1 << 30,
+        buffer_bytes: int = 16 << 20,
+        keep_bytes: int = 256 << 20,
+    ):
         self.page_nbytes = page_nbytes
-        self.pages_per_buffer = max(1, buffer_bytes // page_nbytes)
+        self.pages_per_buffer = max(1, min(buffer_bytes // page_nbytes, max_pages))
         self.keep = max(1, keep_bytes // (self.pages_per_buffer * page_nbytes))
         self._idle: list[torch.Tensor] = []
         self._lock = threading.Lock()

@@ -68,6 +68,10 @@ class Scheduler:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             while self.kv.allocate_slots(req, num_new) is None:
+                # pages pinned for waiting requests are only cache: they go before a
+                # running request's computed KV does
+                if self.kv.release_newest_hold():
+                    continue
                 if self._preempt_newest(out) is req:
                     break
             else:

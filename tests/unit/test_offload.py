@@ -3,6 +3,8 @@ buffers and reach the host tier byte for byte; loads hand back views of the stor
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from kvmesh.kvstore.codec import PageSpec, decode
@@ -70,4 +72,29 @@ def test_a_load_returns_views_of_the_stored_objects():
         assert [bytes(p) for p in res.payloads] == [pool[i].numpy().tobytes() for i in (0, 1)]
         assert all(isinstance(p, memoryview) for p in res.payloads)
     finally:
+        off.close()
+
+
+def test_spill_backlog_counts_staging_slots_so_a_stalled_store_bounds_memory():
+    spec = PageSpec("ab12", "fp32", 2, 1, 4, 16, NBYTES)
+    host = HostTier(1 << 30)
+    gate = threading.Event()
+    put = host.put
+    host.put = lambda items: (gate.wait(10), put(items))  # a store that stalls
+    off = KVOffloader(TieredStore(spec, [host]), spec, max_spill_backlog=10)
+    try:
+        assert off._staging.pages_per_buffer == 5
+        pool = torch.randint(0, 256, (4, NBYTES), dtype=torch.uint8)
+        for i in range(3):  # one page each: each takes a whole 5-page buffer of the 10
+            _evict(off, pool, [i])
+        assert off.metrics["spill_skipped_pages"] == 1
+        assert off._staging.created == 2
+        gate.set()
+        off.drain()
+        assert off.metrics["spilled_pages"] == 2
+        _evict(off, pool, [3])  # room again
+        off.drain()
+        assert off.metrics["spilled_pages"] == 3 and off._staging.created == 2
+    finally:
+        gate.set()
         off.close()

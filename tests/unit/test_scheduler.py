@@ -257,6 +257,28 @@ def test_holds_are_given_up_when_nothing_else_can_run():
     assert step(s) == [("b", 13)]
 
 
+def test_a_running_request_takes_held_pages_before_anyone_is_preempted():
+    s = make_sched(num_pages=6)  # 5 usable pages
+    old = make_req("old", range(10, 19))  # 9 tokens: 2 full pages cached after it ends
+    s.add(old)
+    step(s)
+    s.finish(old, RequestStatus.FINISHED_LENGTH)
+    w = make_req("w", range(10, 19))
+    s.kv.hold(w, s.kv.get_computed_pages(w)[0])  # pinned for w, as for a load
+    a = make_req("a", range(50, 56))  # 6 tokens: 2 pages, then a third for its 9th
+    s.add(a)
+    assert step(s) == [("a", 6)]
+    assert s.kv.num_free_pages == 1 and s.kv.num_holds == 1
+    b = make_req("b", [5])
+    s.add(b)
+    assert step(s) == [("a", 1), ("b", 1)]  # b takes the last free page
+    assert step(s) == [("a", 1), ("b", 1)]
+    assert s.kv.num_free_pages == 0 and a.num_tokens == 9
+    out = s.schedule()  # a needs a third page: w's hold goes, nobody is preempted
+    assert out.preempted == [] and s.kv.num_holds == 0
+    assert [r.request_id for r, _ in out.scheduled] == ["a", "b"]
+
+
 def test_prefix_hits_set_num_cached_tokens_and_metrics():
     s = make_sched()
     prompt = list(range(10, 22))  # 12 tokens
