@@ -192,9 +192,9 @@ def write_page_buffers(buf: torch.Tensor, ids: Sequence[int], payloads: Sequence
     if len(ids) != len(payloads):
         raise ValueError(f"{len(ids)} page ids for {len(payloads)} payloads")
     nbytes = buf.shape[1]
-    for p in payloads:
-        if memoryview(p).nbytes != nbytes:
-            raise ValueError(f"a payload is {memoryview(p).nbytes} bytes, pages are {nbytes}")
+    bad = [n for p in payloads if (n := memoryview(p).nbytes) != nbytes]
+    if bad:
+        raise ValueError(f"a payload is {bad[0]} bytes, pages are {nbytes}")
     if not payloads:
         return
     if buf.device.type == "cpu":

@@ -264,9 +264,6 @@ class KVCacheManager:
         if pages:
             self._holds[req.request_id] = list(pages)
 
-    def held(self, req: Request) -> list[Page]:
-        return list(self._holds.get(req.request_id, ()))
-
     def release_hold(self, req: Request) -> None:
         pages = self._holds.pop(req.request_id, None)
         if pages:

@@ -117,13 +117,13 @@ class KVOffloader:
                 # synchronous even from CUDA: the slots may be overwritten by the next step
                 read_pages(kv_buffer, ids, out=buf[: len(part)])
             except BaseException:
-                self._staging.give(buf)
+                self._staging.give(buf, pinned)
                 with self._lock:
                     self._backlog -= (len(parts) - k) * per
                 raise
-            self._spill_pool.submit(self._spill, [h for h, _ in part], buf)
+            self._spill_pool.submit(self._spill, [h for h, _ in part], buf, pinned)
 
-    def _spill(self, hashes: list[bytes], buf: torch.Tensor) -> None:
+    def _spill(self, hashes: list[bytes], buf: torch.Tensor, pinned: bool) -> None:
         try:
             rows = buf.numpy()
             self.store.put([(h, memoryview(rows[i])) for i, h in enumerate(hashes)])  # copies
@@ -134,7 +134,7 @@ class KVOffloader:
             with self._lock:
                 self.metrics["spill_errors"] += 1
         finally:
-            self._staging.give(buf)
+            self._staging.give(buf, pinned)
             with self._lock:
                 self._backlog -= self._staging.pages_per_buffer
 
@@ -276,21 +276,21 @@ class _StagingBuffers:
         self.page_nbytes = page_nbytes
         self.pages_per_buffer = max(1, min(buffer_bytes // page_nbytes, max_pages))
         self.keep = max(1, keep_bytes // (self.pages_per_buffer * page_nbytes))
-        self._idle: list[torch.Tensor] = []
+        self._idle: dict[bool, list[torch.Tensor]] = {False: [], True: []}  # by pinned
         self._lock = threading.Lock()
         self.created = 0
 
     def take(self, pinned: bool) -> torch.Tensor:
         """A (pages_per_buffer, page_nbytes) uint8 buffer, idle or new."""
         with self._lock:
-            for i, b in enumerate(self._idle):
-                if b.is_pinned() == pinned:
-                    return self._idle.pop(i)
+            if self._idle[pinned]:
+                return self._idle[pinned].pop()
             self.created += 1
         shape = (self.pages_per_buffer, self.page_nbytes)
         return torch.empty(shape, dtype=torch.uint8, pin_memory=pinned)
 
-    def give(self, buf: torch.Tensor) -> None:
+    def give(self, buf: torch.Tensor, pinned: bool) -> None:
+        """Return a buffer from ``take(pinned)``."""
         with self._lock:
-            if len(self._idle) < self.keep:
-                self._idle.append(buf)
+            if len(self._idle[False]) + len(self._idle[True]) < self.keep:
+                self._idle[pinned].append(buf)
