@@ -281,10 +281,9 @@ class KVCacheManager:
     def release_holds(self) -> int:
         """Give up every hold (the pages stay cached, now evictable). Returns how many
         requests held pages."""
-        n = len(self._holds)
-        for pages in self._holds.values():
-            self.pool.release(reversed(pages))
-        self._holds.clear()
+        n = 0
+        while self.release_newest_hold():
+            n += 1
         return n
 
     @property
