@@ -20,6 +20,7 @@ import grpc
 import pytest
 
 from kvmesh.kvstore import dataplane as dp
+from kvmesh.kvstore.dataplane import memory, sockets
 from kvmesh.kvstore.codec import PageSpec, decode, encode
 from kvmesh.kvstore.host import HostTier
 from kvmesh.kvstore.peer import MAX_CHUNK_BYTES, PeerTier, TierPageSource
@@ -341,21 +342,21 @@ def test_a_server_killed_mid_transfer_gives_misses_for_the_rest(caplog):
 
 
 def test_receive_memory_is_reused_only_after_every_page_of_it_is_gone():
-    pool = dp._MappingPool(keep_bytes=8 << 20)
-    a = dp._Arena(pool)
+    pool = memory.MappingPool(keep_bytes=8 << 20)
+    a = memory.Arena(pool)
     first = a.take(1000, hint=3000)
     second = a.take(1000, hint=2000)
     first[:3] = b"abc"
     assert (pool.created, pool.reused) == (1, 0)
     del a
-    b = dp._Arena(pool)
+    b = memory.Arena(pool)
     b.take(1000, hint=1000)  # `first` and `second` still hold the only mapping: a new one
     assert (pool.created, pool.reused) == (2, 0)
     del first
     assert pool.idle_bytes() == 0  # `second` is alive
     del second, b
     assert pool.idle_bytes() == 2 << 20  # both 1 MiB mappings are back
-    c = dp._Arena(pool)
+    c = memory.Arena(pool)
     c.take(5000, hint=5000)
     assert (pool.created, pool.reused) == (2, 1)
 
@@ -537,12 +538,12 @@ def test_a_server_that_fails_after_its_data_plane_started_stops_it(host, monkeyp
 # ---------------------------------------------------------------- the client's limits
 
 
-@pytest.mark.skipif(not dp._mapping_reuse_works(), reason="no reusable receive mappings here")
+@pytest.mark.skipif(not memory.mapping_reuse_works(), reason="no reusable receive mappings here")
 def test_a_failed_fetch_gives_its_receive_memory_back_at_once(monkeypatch):
     """Closed 1,000 bytes into a 4,096-byte object: the error must not keep the mapping it
     was received into (through its traceback's frames) until the cyclic GC runs."""
-    pool = dp._MappingPool(keep_bytes=64 << 20)
-    monkeypatch.setattr(dp, "RECEIVE_POOL", pool)
+    pool = memory.MappingPool(keep_bytes=64 << 20)
+    monkeypatch.setattr(memory, "RECEIVE_POOL", pool)
     fake = ScriptedServer(dp.PAGE_HEAD.pack(0, dp.FOUND, 4096) + bytes(1000))
     client = dp.DataPlaneClient("127.0.0.1", fake.port, bytes(dp.TOKEN_BYTES))
     gc.disable()
@@ -559,8 +560,8 @@ def test_a_failed_fetch_gives_its_receive_memory_back_at_once(monkeypatch):
 
 
 def test_an_object_longer_than_a_page_is_refused_before_memory_is_set_aside(server, monkeypatch):
-    pool = dp._MappingPool()
-    monkeypatch.setattr(dp, "RECEIVE_POOL", pool)
+    pool = memory.MappingPool()
+    monkeypatch.setattr(memory, "RECEIVE_POOL", pool)
     fake = ScriptedServer(dp.PAGE_HEAD.pack(0, dp.FOUND, 1 << 40))  # claims 1 TiB
     client = dp.DataPlaneClient("127.0.0.1", fake.port, bytes(dp.TOKEN_BYTES))
     try:
@@ -607,7 +608,7 @@ def test_a_send_the_peer_does_not_take_is_a_timeout():
     a, b = socket.socketpair()
     with a, b:
         with pytest.raises(TimeoutError):  # not BlockingIOError, which is no TimeoutError
-            dp._send_all(a, [bytes(16 << 20)], time.monotonic() + 0.3)
+            sockets.send_all(a, [bytes(16 << 20)], time.monotonic() + 0.3)
 
 
 # ---------------------------------------------------------------- other platforms
@@ -621,11 +622,11 @@ def test_where_mappings_cannot_be_reused_receive_memory_is_plain_and_not_held(ho
 
     flags = {"MAP_PRIVATE": mmap.MAP_PRIVATE, "MAP_ANONYMOUS": mmap.MAP_ANONYMOUS}
     if sys.platform.startswith("linux"):
-        assert dp._probe_reuse(mmap)
-    assert not dp._probe_reuse(types.SimpleNamespace(mmap=NoMremap, **flags))
-    assert not dp._probe_reuse(types.SimpleNamespace(mmap=mmap.mmap))  # Windows: no flags
-    pool = dp._MappingPool(reuse=False)
-    monkeypatch.setattr(dp, "RECEIVE_POOL", pool)
+        assert memory.probe_reuse(mmap)
+    assert not memory.probe_reuse(types.SimpleNamespace(mmap=NoMremap, **flags))
+    assert not memory.probe_reuse(types.SimpleNamespace(mmap=mmap.mmap))  # Windows: no flags
+    pool = memory.MappingPool(reuse=False)
+    monkeypatch.setattr(memory, "RECEIVE_POOL", pool)
     srv = dp.DataPlaneServer(TierPageSource(host))
     srv.start()
     client = dp.DataPlaneClient("127.0.0.1", srv.port, srv.token)
@@ -644,7 +645,7 @@ def test_a_local_failure_in_the_data_plane_client_is_a_miss_not_an_exception(ser
     def no_flags(self, size):  # as on Windows before the probe: no mmap.MAP_PRIVATE
         raise AttributeError("module 'mmap' has no attribute 'MAP_PRIVATE'")
 
-    monkeypatch.setattr(dp._MappingPool, "take", no_flags)
+    monkeypatch.setattr(memory.MappingPool, "take", no_flags)
     peer = PeerTier(server.address)
     try:
         assert peer.get([h(1), h(99)]) == [None, None]
