@@ -25,8 +25,9 @@ import asyncio
 import os
 import random
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -182,7 +183,10 @@ def _chunk(msg: pb.GenerateResponse, want_logprobs: bool) -> GenerateChunk:
         c.stop_reason = getattr(msg, which) if which else None
         u = msg.usage
         c.usage = Usage(
-            u.prompt_tokens, u.completion_tokens, u.cached_tokens, dict(u.cached_tokens_by_tier)
+            prompt_tokens=u.prompt_tokens,
+            completion_tokens=u.completion_tokens,
+            cached_tokens=u.cached_tokens,
+            cached_tokens_by_tier=dict(u.cached_tokens_by_tier),
         )
         c.worker_id = msg.worker_id or None
     return c
@@ -215,17 +219,33 @@ class _Collector:
 
 def _model_info(m: pb.ModelInfo) -> ModelInfo:
     return ModelInfo(
-        m.model, m.fingerprint, m.max_model_len, m.block_size, m.kv_cache_dtype, m.vocab_size,
-        m.dtype, m.num_layers, m.num_kv_heads, m.head_dim, list(m.eos_token_ids), m.worker_id,
-    )  # fmt: skip
+        model=m.model,
+        fingerprint=m.fingerprint,
+        max_model_len=m.max_model_len,
+        block_size=m.block_size,
+        kv_cache_dtype=m.kv_cache_dtype,
+        vocab_size=m.vocab_size,
+        dtype=m.dtype,
+        num_layers=m.num_layers,
+        num_kv_heads=m.num_kv_heads,
+        head_dim=m.head_dim,
+        eos_token_ids=list(m.eos_token_ids),
+        worker_id=m.worker_id,
+    )
 
 
 def _load(m: pb.Load) -> Load:
     return Load(
-        m.num_requests_running, m.num_requests_waiting, m.queued_prefill_tokens,
-        m.kv_cache_usage_perc, m.num_free_pages, m.num_pages, m.prefix_cache_queries,
-        m.prefix_cache_hits, m.worker_id,
-    )  # fmt: skip
+        num_requests_running=m.num_requests_running,
+        num_requests_waiting=m.num_requests_waiting,
+        queued_prefill_tokens=m.queued_prefill_tokens,
+        kv_cache_usage_perc=m.kv_cache_usage_perc,
+        num_free_pages=m.num_free_pages,
+        num_pages=m.num_pages,
+        prefix_cache_queries=m.prefix_cache_queries,
+        prefix_cache_hits=m.prefix_cache_hits,
+        worker_id=m.worker_id,
+    )
 
 
 def build_request(prompt: Prompt, request_id: str | None = None, **sampling) -> pb.GenerateRequest:
@@ -253,7 +273,60 @@ def build_request(prompt: Prompt, request_id: str | None = None, **sampling) -> 
     return req
 
 
-# ---------------------------------------------------------------- channel set-up
+# ---------------------------------------------------------------- retries
+
+
+class _RetryPolicy:
+    """Which failed attempts are tried again, and after how long: UNAVAILABLE only, only
+    before any output, at most ``retries`` times, with exponential backoff and jitter, and
+    never past the call's deadline."""
+
+    def __init__(self, retries: int, backoff_s: float, backoff_max_s: float) -> None:
+        if retries < 0:
+            raise ValueError(f"retries must be >= 0, got {retries}")
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.backoff_max_s = backoff_max_s
+
+    def delay(
+        self, error: grpc.RpcError, failures: int, deadline: float | None, got_output: bool
+    ) -> float | None:
+        """Seconds to wait after the ``failures``-th failed attempt (1-based) of a call,
+        None when it is not to be retried."""
+        if got_output or error.code() != grpc.StatusCode.UNAVAILABLE or failures > self.retries:
+            return None
+        delay = min(self.backoff_max_s, self.backoff_s * 2 ** (failures - 1))
+        delay *= 0.5 + random.random() / 2
+        if deadline is not None and time.monotonic() + delay >= deadline:
+            return None
+        return delay
+
+
+class _Call:
+    """One call's deadline (monotonic seconds or None), metadata and failed attempts: what
+    every attempt of it shares, whether it blocks or awaits."""
+
+    def __init__(self, policy: _RetryPolicy, deadline: float | None, metadata: Metadata) -> None:
+        self.policy = policy
+        self.deadline = deadline
+        self.metadata = tuple(metadata) or None
+        self.failures = 0
+
+    def timeout(self) -> float | None:
+        """The time left for the next attempt, as grpc's ``timeout``."""
+        return None if self.deadline is None else max(self.deadline - time.monotonic(), 0.001)
+
+    def retry_delay(self, error: grpc.RpcError, got_output: bool = False) -> float:
+        """Seconds to wait before the next attempt; raises ``error`` as a KvmeshError when
+        there is to be none."""
+        self.failures += 1
+        delay = self.policy.delay(error, self.failures, self.deadline, got_output)
+        if delay is None:
+            raise _error(error) from None
+        return delay
+
+
+# ---------------------------------------------------------------- what both clients share
 
 
 def _pem(value: bytes | str | os.PathLike | None) -> bytes | None:
@@ -264,81 +337,35 @@ def _pem(value: bytes | str | os.PathLike | None) -> bytes | None:
         return f.read()
 
 
-class _Options:
-    def __init__(
-        self,
-        target: str,
-        *,
-        timeout: float | None,
-        metadata: Metadata | None,
-        credentials: grpc.ChannelCredentials | None,
-        tls: bool,
-        root_certificates: bytes | str | os.PathLike | None,
-        private_key: bytes | str | os.PathLike | None,
-        certificate_chain: bytes | str | os.PathLike | None,
-        max_message_mb: int,
-        retries: int,
-        backoff_s: float,
-        backoff_max_s: float,
-        channel_options: Sequence[tuple[str, object]] | None,
-    ) -> None:
-        if retries < 0:
-            raise ValueError(f"retries must be >= 0, got {retries}")
-        if timeout is not None and timeout <= 0:
-            raise ValueError(f"timeout must be > 0 seconds or None, got {timeout}")
-        if max_message_mb < 1:
-            raise ValueError(f"max_message_mb must be >= 1, got {max_message_mb}")
-        self.target = target
-        self.timeout = timeout
-        self.metadata = tuple(metadata or ())
-        self.retries = retries
-        self.backoff_s = backoff_s
-        self.backoff_max_s = backoff_max_s
-        limit = max_message_mb * 2**20
-        self.channel_options = [
-            ("grpc.max_send_message_length", limit),
-            ("grpc.max_receive_message_length", limit),
-            *(channel_options or ()),
-        ]
-        if credentials is None and (tls or root_certificates or private_key or certificate_chain):
-            credentials = grpc.ssl_channel_credentials(
-                root_certificates=_pem(root_certificates),
-                private_key=_pem(private_key),
-                certificate_chain=_pem(certificate_chain),
-            )
-        self.credentials = credentials
+class _Stubs:
+    """The stubs of one channel (grpc's or grpc.aio's)."""
 
-    def call_args(self, timeout: float | None, metadata: Metadata | None) -> tuple:
-        """(deadline as monotonic time or None, metadata) of one call."""
-        t = self.timeout if timeout is None else timeout
-        md = self.metadata + tuple(metadata or ())
-        return (time.monotonic() + t if t is not None else None), (md or None)
-
-    def backoff(self, attempt: int, deadline: float | None) -> float | None:
-        """Seconds to wait before retry number ``attempt`` (1-based), None when no time is
-        left for it before the deadline."""
-        delay = min(self.backoff_max_s, self.backoff_s * 2 ** (attempt - 1))
-        delay *= 0.5 + random.random() / 2
-        if deadline is not None and time.monotonic() + delay >= deadline:
-            return None
-        return delay
+    def __init__(self, channel: grpc.Channel | grpc.aio.Channel) -> None:
+        self.inference = pb_grpc.InferenceStub(channel)
+        self.health = health_pb2_grpc.HealthStub(channel)
 
 
-def _remaining(deadline: float | None) -> float | None:
-    return None if deadline is None else max(deadline - time.monotonic(), 0.001)
+@dataclass(frozen=True)
+class _Unary:
+    """A unary RPC of the SDK: the stub method it calls and how the response becomes the
+    SDK's result."""
+
+    method: Callable[[_Stubs], Callable]
+    result: Callable[[Any], Any]
 
 
-# ---------------------------------------------------------------- the blocking client
+_ABORT = _Unary(lambda s: s.inference.Abort, lambda r: r.found)
+_MODEL_INFO = _Unary(lambda s: s.inference.GetModelInfo, _model_info)
+_GET_LOAD = _Unary(lambda s: s.inference.GetLoad, _load)
+_HEALTH = _Unary(
+    lambda s: s.health.Check,
+    lambda r: health_pb2.HealthCheckResponse.ServingStatus.Name(r.status),
+)
 
 
-class Client:
-    """A blocking client of a kvmesh worker (or router): ``target`` is ``host:port``.
-
-    ``timeout`` and ``metadata`` are defaults for every call, each call may override or add
-    to them. TLS: pass ``credentials``, or ``tls=True`` and/or PEM ``root_certificates``
-    (client auth: ``private_key`` and ``certificate_chain``); each PEM is bytes or a path.
-    Thread-safe; close it (or use ``with``) to release the channel.
-    """
+class _ClientBase:
+    """Options, channel, stubs and the start of every call; ``Client`` and ``AsyncClient``
+    add only the blocking or the awaiting half."""
 
     def __init__(
         self,
@@ -357,24 +384,75 @@ class Client:
         backoff_max_s: float = 2.0,
         channel_options: Sequence[tuple[str, object]] | None = None,
     ) -> None:
-        self._o = o = _Options(
-            target, timeout=timeout, metadata=metadata, credentials=credentials, tls=tls,
-            root_certificates=root_certificates, private_key=private_key,
-            certificate_chain=certificate_chain, max_message_mb=max_message_mb,
-            retries=retries, backoff_s=backoff_s, backoff_max_s=backoff_max_s,
-            channel_options=channel_options,
-        )  # fmt: skip
-        self._channel = (
-            grpc.secure_channel(target, o.credentials, o.channel_options)
-            if o.credentials is not None
-            else grpc.insecure_channel(target, o.channel_options)
-        )
-        self._stub = pb_grpc.InferenceStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._retry = _RetryPolicy(retries, backoff_s, backoff_max_s)
+        if timeout is not None and timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds or None, got {timeout}")
+        if max_message_mb < 1:
+            raise ValueError(f"max_message_mb must be >= 1, got {max_message_mb}")
+        self._target = target
+        self._timeout = timeout
+        self._metadata = tuple(metadata or ())
+        limit = max_message_mb * 2**20
+        self._channel_options = [
+            ("grpc.max_send_message_length", limit),
+            ("grpc.max_receive_message_length", limit),
+            *(channel_options or ()),
+        ]
+        if credentials is None and (tls or root_certificates or private_key or certificate_chain):
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=_pem(root_certificates),
+                private_key=_pem(private_key),
+                certificate_chain=_pem(certificate_chain),
+            )
+        self._credentials = credentials
+        self._channel = None
+        self._stubs: _Stubs | None = None
+        self._init_channel()
+
+    def _init_channel(self) -> None:
+        """Open the channel now or leave it for later (AsyncClient: its event loop)."""
+        raise NotImplementedError
 
     @property
     def target(self) -> str:
-        return self._o.target
+        return self._target
+
+    def _open(self, channel_module) -> _Stubs:
+        """The stubs, opening the channel with ``channel_module`` (grpc or grpc.aio) first
+        when none is open."""
+        if self._stubs is None:
+            if self._credentials is not None:
+                self._channel = channel_module.secure_channel(
+                    self._target, self._credentials, self._channel_options
+                )
+            else:
+                self._channel = channel_module.insecure_channel(self._target, self._channel_options)
+            self._stubs = _Stubs(self._channel)
+        return self._stubs
+
+    def _call(self, timeout: float | None, metadata: Metadata | None) -> _Call:
+        """A call under the client's defaults: ``timeout`` replaces the client's, ``metadata``
+        adds to it."""
+        t = self._timeout if timeout is None else timeout
+        deadline = time.monotonic() + t if t is not None else None
+        return _Call(self._retry, deadline, self._metadata + tuple(metadata or ()))
+
+
+# ---------------------------------------------------------------- the blocking client
+
+
+class Client(_ClientBase):
+    """A blocking client of a kvmesh worker (or router): ``target`` is ``host:port``.
+
+    ``timeout`` and ``metadata`` are defaults for every call, each call may override or add
+    to them. TLS: pass ``credentials``, or ``tls=True`` and/or PEM ``root_certificates``
+    (client auth: ``private_key`` and ``certificate_chain``); each PEM is bytes or a path.
+    Thread-safe; close it (or use ``with``) to release the channel.
+    """
+
+    def _init_channel(self) -> None:
+        # opened here, not on first use, so that threads sharing the client share one channel
+        self._open(grpc)
 
     def close(self) -> None:
         self._channel.close()
@@ -398,25 +476,21 @@ class Client:
         ``close()``) cancels the call, which aborts the request on the server."""
         req = build_request(prompt, request_id, **sampling)
         want_lp = bool(sampling.get("logprobs"))
-        deadline, md = self._o.call_args(timeout, metadata)
-        attempt = 0
+        call = self._call(timeout, metadata)
         while True:
-            call = self._stub.Generate(req, timeout=_remaining(deadline), metadata=md)
+            stream = self._stubs.inference.Generate(
+                req, timeout=call.timeout(), metadata=call.metadata
+            )
             got_any = False
             try:
-                for msg in call:
+                for msg in stream:
                     got_any = True
                     yield _chunk(msg, want_lp)
                 return
             except grpc.RpcError as e:
-                if got_any or e.code() != grpc.StatusCode.UNAVAILABLE:
-                    raise _error(e) from None
-                attempt += 1
-                delay = self._o.backoff(attempt, deadline) if attempt <= self._o.retries else None
-                if delay is None:
-                    raise _error(e) from None
+                delay = call.retry_delay(e, got_output=got_any)
             finally:
-                call.cancel()  # a no-op once the call has ended
+                stream.cancel()  # a no-op once the call has ended
             time.sleep(delay)
 
     def generate_text(
@@ -436,37 +510,31 @@ class Client:
             col.add(c)
         return col.done()
 
-    def _unary(self, method, request, timeout: float | None, metadata: Metadata | None):
-        deadline, md = self._o.call_args(timeout, metadata)
-        attempt = 0
+    def _unary(self, rpc: _Unary, request, timeout: float | None, metadata: Metadata | None):
+        method = rpc.method(self._stubs)
+        call = self._call(timeout, metadata)
         while True:
             try:
-                return method(request, timeout=_remaining(deadline), metadata=md)
+                response = method(request, timeout=call.timeout(), metadata=call.metadata)
+                break
             except grpc.RpcError as e:
-                attempt += 1
-                delay = None
-                if e.code() == grpc.StatusCode.UNAVAILABLE and attempt <= self._o.retries:
-                    delay = self._o.backoff(attempt, deadline)
-                if delay is None:
-                    raise _error(e) from None
+                delay = call.retry_delay(e)
             time.sleep(delay)
+        return rpc.result(response)
 
     def abort(
         self, request_id: str, *, timeout: float | None = None, metadata: Metadata | None = None
     ) -> bool:
         """Abort a running request; True when the server was running it."""
-        req = pb.AbortRequest(request_id=request_id)
-        return self._unary(self._stub.Abort, req, timeout, metadata).found
+        return self._unary(_ABORT, pb.AbortRequest(request_id=request_id), timeout, metadata)
 
     def model_info(
         self, *, timeout: float | None = None, metadata: Metadata | None = None
     ) -> ModelInfo:
-        return _model_info(
-            self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout, metadata)
-        )
+        return self._unary(_MODEL_INFO, pb.GetModelInfoRequest(), timeout, metadata)
 
     def get_load(self, *, timeout: float | None = None, metadata: Metadata | None = None) -> Load:
-        return _load(self._unary(self._stub.GetLoad, pb.GetLoadRequest(), timeout, metadata))
+        return self._unary(_GET_LOAD, pb.GetLoadRequest(), timeout, metadata)
 
     def health(
         self,
@@ -477,68 +545,25 @@ class Client:
     ) -> str:
         """The grpc.health.v1 status of ``service`` ("" = the whole server): "SERVING",
         "NOT_SERVING", ... Raises KvmeshError (NOT_FOUND for an unknown service)."""
-        resp = self._unary(
-            self._health.Check, health_pb2.HealthCheckRequest(service=service), timeout, metadata
-        )
-        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+        req = health_pb2.HealthCheckRequest(service=service)
+        return self._unary(_HEALTH, req, timeout, metadata)
 
 
 # ---------------------------------------------------------------- the asyncio client
 
 
-class AsyncClient:
+class AsyncClient(_ClientBase):
     """The asyncio twin of ``Client``: same arguments, ``async for`` over ``generate`` and
     ``await`` on the rest. It belongs to the event loop it is first used in; the channel is
     opened lazily there. Close it with ``await close()`` or ``async with``."""
 
-    def __init__(
-        self,
-        target: str,
-        *,
-        timeout: float | None = None,
-        metadata: Metadata | None = None,
-        credentials: grpc.ChannelCredentials | None = None,
-        tls: bool = False,
-        root_certificates: bytes | str | os.PathLike | None = None,
-        private_key: bytes | str | os.PathLike | None = None,
-        certificate_chain: bytes | str | os.PathLike | None = None,
-        max_message_mb: int = 64,
-        retries: int = 3,
-        backoff_s: float = 0.1,
-        backoff_max_s: float = 2.0,
-        channel_options: Sequence[tuple[str, object]] | None = None,
-    ) -> None:
-        self._o = _Options(
-            target, timeout=timeout, metadata=metadata, credentials=credentials, tls=tls,
-            root_certificates=root_certificates, private_key=private_key,
-            certificate_chain=certificate_chain, max_message_mb=max_message_mb,
-            retries=retries, backoff_s=backoff_s, backoff_max_s=backoff_max_s,
-            channel_options=channel_options,
-        )  # fmt: skip
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: pb_grpc.InferenceStub | None = None
-        self._health: health_pb2_grpc.HealthStub | None = None
-
-    @property
-    def target(self) -> str:
-        return self._o.target
-
-    def _stubs(self) -> tuple[pb_grpc.InferenceStub, health_pb2_grpc.HealthStub]:
-        if self._channel is None:
-            o = self._o
-            self._channel = (
-                grpc.aio.secure_channel(o.target, o.credentials, o.channel_options)
-                if o.credentials is not None
-                else grpc.aio.insecure_channel(o.target, o.channel_options)
-            )
-            self._stub = pb_grpc.InferenceStub(self._channel)
-            self._health = health_pb2_grpc.HealthStub(self._channel)
-        return self._stub, self._health
+    def _init_channel(self) -> None:
+        pass  # a grpc.aio channel binds to the running event loop: opened on first use
 
     async def close(self) -> None:
         if self._channel is not None:
             await self._channel.close()
-            self._channel = None
+            self._channel = self._stubs = None
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -557,28 +582,22 @@ class AsyncClient:
     ) -> AsyncIterator[GenerateChunk]:
         """Stream a completion; leaving the loop early cancels the call and aborts the
         request on the server."""
-        stub, _ = self._stubs()
+        stubs = self._open(grpc.aio)
         req = build_request(prompt, request_id, **sampling)
         want_lp = bool(sampling.get("logprobs"))
-        deadline, md = self._o.call_args(timeout, metadata)
-        attempt = 0
+        call = self._call(timeout, metadata)
         while True:
-            call = stub.Generate(req, timeout=_remaining(deadline), metadata=md)
+            stream = stubs.inference.Generate(req, timeout=call.timeout(), metadata=call.metadata)
             got_any = False
             try:
-                async for msg in call:
+                async for msg in stream:
                     got_any = True
                     yield _chunk(msg, want_lp)
                 return
             except grpc.RpcError as e:
-                if got_any or e.code() != grpc.StatusCode.UNAVAILABLE:
-                    raise _error(e) from None
-                attempt += 1
-                delay = self._o.backoff(attempt, deadline) if attempt <= self._o.retries else None
-                if delay is None:
-                    raise _error(e) from None
+                delay = call.retry_delay(e, got_output=got_any)
             finally:
-                call.cancel()
+                stream.cancel()
             await asyncio.sleep(delay)
 
     async def generate_text(
@@ -597,41 +616,32 @@ class AsyncClient:
             col.add(c)
         return col.done()
 
-    async def _unary(self, method, request, timeout: float | None, metadata: Metadata | None):
-        deadline, md = self._o.call_args(timeout, metadata)
-        attempt = 0
+    async def _unary(self, rpc: _Unary, request, timeout: float | None, metadata: Metadata | None):
+        method = rpc.method(self._open(grpc.aio))
+        call = self._call(timeout, metadata)
         while True:
             try:
-                return await method(request, timeout=_remaining(deadline), metadata=md)
+                response = await method(request, timeout=call.timeout(), metadata=call.metadata)
+                break
             except grpc.RpcError as e:
-                attempt += 1
-                delay = None
-                if e.code() == grpc.StatusCode.UNAVAILABLE and attempt <= self._o.retries:
-                    delay = self._o.backoff(attempt, deadline)
-                if delay is None:
-                    raise _error(e) from None
+                delay = call.retry_delay(e)
             await asyncio.sleep(delay)
+        return rpc.result(response)
 
     async def abort(
         self, request_id: str, *, timeout: float | None = None, metadata: Metadata | None = None
     ) -> bool:
-        stub, _ = self._stubs()
-        req = pb.AbortRequest(request_id=request_id)
-        return (await self._unary(stub.Abort, req, timeout, metadata)).found
+        return await self._unary(_ABORT, pb.AbortRequest(request_id=request_id), timeout, metadata)
 
     async def model_info(
         self, *, timeout: float | None = None, metadata: Metadata | None = None
     ) -> ModelInfo:
-        stub, _ = self._stubs()
-        return _model_info(
-            await self._unary(stub.GetModelInfo, pb.GetModelInfoRequest(), timeout, metadata)
-        )
+        return await self._unary(_MODEL_INFO, pb.GetModelInfoRequest(), timeout, metadata)
 
     async def get_load(
         self, *, timeout: float | None = None, metadata: Metadata | None = None
     ) -> Load:
-        stub, _ = self._stubs()
-        return _load(await self._unary(stub.GetLoad, pb.GetLoadRequest(), timeout, metadata))
+        return await self._unary(_GET_LOAD, pb.GetLoadRequest(), timeout, metadata)
 
     async def health(
         self,
@@ -640,8 +650,5 @@ class AsyncClient:
         timeout: float | None = None,
         metadata: Metadata | None = None,
     ) -> str:
-        _, hstub = self._stubs()
-        resp = await self._unary(
-            hstub.Check, health_pb2.HealthCheckRequest(service=service), timeout, metadata
-        )
-        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+        req = health_pb2.HealthCheckRequest(service=service)
+        return await self._unary(_HEALTH, req, timeout, metadata)
