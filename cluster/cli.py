@@ -9,7 +9,8 @@ import sys
 from kvmesh.worker import envs
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model and its formats: every command that builds an engine takes these."""
     from kvmesh.worker.models.loader import DEFAULT_MODEL
 
     p.add_argument(
@@ -21,6 +22,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-cache-dtype", default="auto", help="auto, fp32, fp16, bf16, fp8, int8, int4"
     )
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    _add_model_args(p)
     p.add_argument("--kv-cache-memory", default="1GiB", help="byte budget of the KV page pool")
     p.add_argument(
         "--host-cache-memory", default=None, help="host-RAM tier for spilled pages, e.g. 4GiB"
@@ -28,9 +33,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default=None, help="Redis tier, e.g. redis://host:6379/0")
     p.add_argument("--redis-ttl", type=float, default=None, help="seconds Redis keeps a page")
     p.add_argument(
-        "--peer", action="append", default=[], metavar="HOST:PORT",
+        "--peer",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
         help="another worker's KVTransfer address to fetch pages from (repeatable)",
-    )  # fmt: skip
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -104,9 +112,12 @@ def cmd_generate(a: argparse.Namespace) -> int:
             messages.insert(0, {"role": "system", "content": a.system})
         prompt = engine.tokenizer.apply_chat_template(messages)
     params = SamplingParams(
-        max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+        max_tokens=a.max_tokens,
+        temperature=a.temperature,
+        top_p=a.top_p,
+        top_k=a.top_k,
         seed=a.seed,
-    )  # fmt: skip
+    )
     rid = engine.add_request(prompt, params)
     final = None
     while engine.has_unfinished_requests():
@@ -189,9 +200,15 @@ def cmd_calibrate_profile(a: argparse.Namespace) -> int:
     sizes = replace(sizes, **given)
     try:
         result = calibrate(
-            a.model, name=a.name, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype,
-            redis_url=a.redis_url, sizes=sizes, text_path=a.text, threads=a.threads,
-        )  # fmt: skip
+            a.model,
+            name=a.name,
+            dtype=a.dtype,
+            kv_cache_dtype=a.kv_cache_dtype,
+            redis_url=a.redis_url,
+            sizes=sizes,
+            text_path=a.text,
+            threads=a.threads,
+        )
     except CalibrationError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -240,18 +257,23 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--host", default="0.0.0.0", help="address to bind")
     w.add_argument("--max-message-mb", type=int, default=64, help="gRPC message size limit")
     w.add_argument(
-        "--grace-period", type=float, default=10.0,
+        "--grace-period",
+        type=float,
+        default=10.0,
         help="seconds in-flight streams may finish after SIGTERM/SIGINT",
-    )  # fmt: skip
+    )
     w.add_argument("--max-waiting", type=int, default=4096, help="queue size (RESOURCE_EXHAUSTED)")
     w.add_argument(
-        "--data-plane-port", type=int, default=0,
+        "--data-plane-port",
+        type=int,
+        default=0,
         help="TCP port of the page data plane peers fetch from (0: any free port)",
-    )  # fmt: skip
+    )
     w.add_argument(
-        "--no-data-plane", action="store_true",
+        "--no-data-plane",
+        action="store_true",
         help="serve peers over gRPC KVTransfer.Fetch only (no raw-TCP page port)",
-    )  # fmt: skip
+    )
     _add_engine_args(w)
     w.set_defaults(func=cmd_worker)
 
@@ -276,9 +298,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host-capacity-tokens", type=int, default=0, help="host tier per worker")
     s.add_argument("--redis", action="store_true", help="a shared, unbounded Redis tier")
     s.add_argument(
-        "--profile", default="llama3-8b-h100",
+        "--profile",
+        default="llama3-8b-h100",
         help="cost profile: a built-in name, or a .json file from calibrate-profile",
-    )  # fmt: skip
+    )
     s.add_argument("--speed", type=float, default=1.0, help="replay speed-up of the timestamps")
     s.add_argument("--limit", type=int, default=None, help="only the first N requests")
     s.add_argument("--seed", type=int, default=0, help="seed of the policies' tie-breaks")
@@ -289,28 +312,21 @@ def build_parser() -> argparse.ArgumentParser:
         "calibrate-profile",
         help="measure a simulate-router cost profile with this machine's engine (JSON)",
     )
-    from kvmesh.worker.models.loader import DEFAULT_MODEL
-
-    c.add_argument(
-        "--model", default=DEFAULT_MODEL, help="registered name, .gguf file or HF folder"
-    )
+    _add_model_args(c)
     c.add_argument("--name", default=None, help="profile name (default: model-device-format)")
     c.add_argument(
-        "--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), fp32, fp16, bf16"
-    )
-    c.add_argument(
-        "--kv-cache-dtype", default="auto", help="auto, fp32, fp16, bf16, fp8, int8, int4"
-    )
-    c.add_argument(
-        "--redis-url", default=None,
+        "--redis-url",
+        default=None,
         help="Redis to time (default: a throwaway redis-server on a free loopback port)",
-    )  # fmt: skip
+    )
     c.add_argument("--output", default=None, help="write the JSON here (default: stdout)")
     c.add_argument("--text", default=None, help="text the prompts are cut from")
     c.add_argument(
-        "--threads", type=int, default=None,
+        "--threads",
+        type=int,
+        default=None,
         help="torch intra-op threads for the run (default: KVMESH_NUM_THREADS or torch's)",
-    )  # fmt: skip
+    )
     c.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test, noisy numbers")
     for field, help_ in _CALIBRATION_SIZES.items():
         c.add_argument("--" + field.replace("_", "-"), type=int, default=None, help=help_)
