@@ -8,7 +8,7 @@ KVTransfer, health, reflection) on a free port, and two threads:
 - ``publish``: every ``report_interval_s``, sends the block events gathered since the last
   call and the latest load to the router (``RouterActor.publish``). When the router does
   not know this worker (first start, a router restart, the worker was dropped) or has lost
-  track of its stream, it registers again with a snapshot of its cached pages.
+  track of its stream, it registers again with a snapshot of its cached pages by tier.
 
 The router actor runs ``router.service.RouterServer`` (its own thread and loop) and a health
 thread that pings every registered worker actor; one that fails or does not answer within
@@ -24,7 +24,9 @@ import uuid
 
 import ray
 
-from kvmesh.router.service import EventRow, RouterCore, RouterServer, encode_event
+from kvmesh.router.core import EventRow, RouterCore, encode_event
+from kvmesh.router.load import WorkerLoad, to_report
+from kvmesh.router.service import RouterServer
 
 logger = logging.getLogger("kvmesh.cluster")
 
@@ -42,9 +44,10 @@ def _setup_logging(level: str) -> None:
 class _EventBuffer:
     """The engine's block events, gathered for the publisher.
 
-    Called on the engine thread (``EventLog`` subscribers must be cheap and never raise).
-    Bounded: if the router stays unreachable, the buffer is dropped and the overflow is
-    remembered, and the worker resyncs with a snapshot once the router answers again.
+    Called on the engine thread (device pages) and the store's threads (host and Redis
+    pages); ``EventLog`` subscribers must be cheap and never raise. Bounded: if the router
+    stays unreachable, the buffer is dropped and the overflow is remembered, and the worker
+    resyncs with a snapshot once the router answers again.
     """
 
     def __init__(self, limit: int = 500_000) -> None:
@@ -52,9 +55,12 @@ class _EventBuffer:
         self.limit = limit
         self._rows: list[EventRow] = []
         self._overflowed = False
+        self._from_seq = 0  # events older than the last snapshot are in it: dropped
 
     def __call__(self, ev) -> None:
         with self.lock:
+            if ev.seq < self._from_seq:
+                return
             if len(self._rows) >= self.limit:
                 self._rows.clear()
                 self._overflowed = True
@@ -66,10 +72,14 @@ class _EventBuffer:
             over, self._overflowed = self._overflowed, False
         return rows, over
 
-    def clear_locked(self) -> None:
-        """Forget the gathered events; the caller holds ``lock``."""
-        self._rows.clear()
-        self._overflowed = False
+    def start_from(self, seq: int) -> None:
+        """A snapshot covers every event numbered below ``seq``: forget those, keep the rest
+        (a store thread may have numbered an event just before the snapshot was read and
+        not yet delivered it, or just after)."""
+        with self.lock:
+            self._from_seq = seq
+            self._rows = [r for r in self._rows if r[0] >= seq]
+            self._overflowed = False
 
 
 class WorkerActor:
@@ -179,18 +189,9 @@ class WorkerActor:
         return WorkerActor._report(engine.stats())
 
     @staticmethod
-    def _report(s) -> dict:
-        return {
-            "running": s.num_requests_running,
-            "waiting": s.num_requests_waiting,
-            "queued_prefill_tokens": s.queued_prefill_tokens,
-            "kv_usage": s.kv_cache_usage_perc,
-            "num_free_pages": s.num_free_pages,
-            "num_pages": s.num_pages,
-            "prefix_cache_queries": s.prefix_cache_queries,
-            "prefix_cache_hits": s.prefix_cache_hits,
-            "timestamp": time.time(),
-        }
+    def _report(stats) -> dict:
+        """The load report the router parses (router/load.py), from an ``EngineStats``."""
+        return to_report(WorkerLoad.from_stats(stats))
 
     def _load_loop(self) -> None:
         """Measure the load on the engine thread, between steps: during a long step the
@@ -212,12 +213,16 @@ class WorkerActor:
                 logger.debug("load measurement failed: %r", e)
             self._stop.wait(self.report_interval_s)
 
-    def _snapshot(self, engine) -> tuple[int, list[bytes]]:
-        """On the engine thread: the next event sequence number and the cached device pages
-        at that instant. Events gathered so far are older than the snapshot: dropped."""
-        with self.events.lock:
-            self.events.clear_locked()
-            return engine.events.next_seq, list(engine.kv.pool.cached)
+    def _snapshot(self, engine) -> tuple[int, dict[str, list[bytes]]]:
+        """On the engine thread: the next event sequence number, then the cached pages by
+        tier. In that order: the store's threads keep numbering host and Redis events
+        meanwhile, and an event numbered after ``seq`` then reaches the router after the
+        snapshot (a page stored twice, or removed, is exact), whereas the other order could
+        lose a removal. Device events come from this thread only: none in between."""
+        seq = engine.events.next_seq
+        pages = engine.cached_pages_by_tier()
+        self.events.start_from(seq)
+        return seq, pages
 
     def _register(self) -> dict:
         seq, pages = self.aeng.call(self._snapshot, timeout=600)

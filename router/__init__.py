@@ -15,7 +15,7 @@ from kvmesh.router.policies import (
     RoutingPolicy,
     WorkerLoad,
     make_policy,
-    route,
+    pick_and_insert,
 )
 from kvmesh.router.prefix_index import TIERS, IndexStats, Match, PrefixIndex
 from kvmesh.router.profiles import PROFILES, SimProfile, get_profile
@@ -54,7 +54,7 @@ __all__ = [
     "get_profile",
     "load_trace",
     "make_policy",
-    "route",
+    "pick_and_insert",
     "simulate",
     "simulate_policies",
 ]

@@ -1,4 +1,4 @@
-"""Routing policies: turn the index's matches and the workers' reported load into a choice.
+"""Routing policies: turn the index's matches and the workers' load into a choice.
 
 Every policy returns a ``Decision`` that carries each candidate's score terms, so a miss can
 be traced to the workload, the routing or a stale index. Choose one by name with
@@ -14,32 +14,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+from kvmesh.router.load import WorkerLoad
 from kvmesh.router.prefix_index import NO_MATCH, Match, PrefixIndex, WorkerId
 
 DEFAULT_POLICY = "prefix_affinity"
-
-
-@dataclass(frozen=True)
-class WorkerLoad:
-    """What a worker last reported about its queue (``GetLoad``); the router keeps no counters.
-
-    ``queued_prefill_tokens``: prompt tokens admitted but not yet computed, over running and
-    waiting requests. ``kv_usage``: fraction of the device page pool in use. ``timestamp``:
-    when the worker measured it (seconds, the reporter's clock), for staleness checks.
-    """
-
-    running: int = 0
-    waiting: int = 0
-    queued_prefill_tokens: int = 0
-    kv_usage: float = 0.0
-    timestamp: float = 0.0
-
-    def __post_init__(self) -> None:
-        for name in ("running", "waiting", "queued_prefill_tokens"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"WorkerLoad.{name} must be >= 0, got {getattr(self, name)}")
-        if not 0.0 <= self.kv_usage <= 1.0:
-            raise ValueError(f"WorkerLoad.kv_usage must be in [0, 1], got {self.kv_usage}")
 
 
 @dataclass(frozen=True)
@@ -62,6 +40,10 @@ class CostModel:
       (docs/router.md) 1.0 gave 79.5% of the shared-cache bound and 0.1 gives 98%, with mean
       and p50 TTFT no worse; the load guard (on unweighted load) still keeps a hot worker
       from being piled on.
+    - ``idle_queue_weight`` 1.0: the weight of queued work instead, while some candidate is
+      idle (nothing queued, nothing running). Then the wait buys nothing: a worker could
+      start the request now, and its time left idle is lost for good. So a busy worker keeps
+      a request only when its cache saves more than the queue the request would wait behind.
     The trace simulator's profiles replace the tier and decode prices with measured values.
     """
 
@@ -70,6 +52,7 @@ class CostModel:
     peer_cost: float = 0.5
     decode_cost: float = 8.0
     queue_weight: float = 0.1
+    idle_queue_weight: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("host_cost", "redis_cost", "peer_cost"):
@@ -78,8 +61,9 @@ class CostModel:
                 raise ValueError(f"CostModel.{name} must be in [0, 1] (1 = recompute), got {v}")
         if self.decode_cost < 0:
             raise ValueError(f"CostModel.decode_cost must be >= 0, got {self.decode_cost}")
-        if not self.queue_weight >= 0:  # NaN too
-            raise ValueError(f"CostModel.queue_weight must be >= 0, got {self.queue_weight}")
+        for name in ("queue_weight", "idle_queue_weight"):
+            if not getattr(self, name) >= 0:  # NaN too
+                raise ValueError(f"CostModel.{name} must be >= 0, got {getattr(self, name)}")
 
     @classmethod
     def from_bandwidth(
@@ -113,6 +97,10 @@ class CostModel:
     def load(self, load: WorkerLoad) -> float:
         """A worker's queued work in prefill-token equivalents."""
         return load.queued_prefill_tokens + self.decode_cost * load.running
+
+    def weight(self, min_load: float) -> float:
+        """What one token of queued work counts, given the least-loaded candidate's load."""
+        return self.idle_queue_weight if min_load <= 0 else self.queue_weight
 
 
 @dataclass(frozen=True)
@@ -180,7 +168,7 @@ class CandidateScore:
     fetch_cost: float  # host/redis/peer tokens priced by the CostModel
     load: float  # queued prefill tokens + decode_cost * running
     overloaded: bool
-    total: float  # recompute_tokens + fetch_cost + queue_weight * load
+    total: float  # recompute_tokens + fetch_cost + CostModel.weight(min load) * load
 
 
 @dataclass(frozen=True)
@@ -216,7 +204,7 @@ class RoutingPolicy(ABC):
     ``pick`` may change only the policy's own state (a round-robin cursor, a session table,
     its random generator). It never modifies the index, the matches or the loads; recording
     the routed pages in the index (``PrefixIndex.insert_optimistic``) is the caller's job,
-    done by ``route``.
+    done by ``pick_and_insert``.
     """
 
     name: ClassVar[str]
@@ -256,6 +244,7 @@ class RoutingPolicy(ABC):
         c, bs = self.cost, request.block_size
         worker_loads = {wid: c.load(ld) for wid, ld in loads.items()}
         min_load = min(worker_loads.values())
+        weight = c.weight(min_load)
         out = []
         for wid in sorted(loads, key=str):  # a stable order makes seeded tie-breaks repeatable
             m = matches.get(wid, NO_MATCH)
@@ -272,7 +261,7 @@ class RoutingPolicy(ABC):
                     fetch_cost=fetch,
                     load=load,
                     overloaded=self.guard.overloaded(load, min_load),
-                    total=recompute + fetch + c.queue_weight * load,
+                    total=recompute + fetch + weight * load,
                 )
             )
         return out
@@ -314,10 +303,10 @@ class LeastLoaded(RoutingPolicy):
 class PrefixAffinity(RoutingPolicy):
     """The worker with the least expected work for this request, among those not overloaded.
 
-    Expected work = prompt tokens no tier has + tier-priced fetched tokens + queue_weight x
-    queued load (the guard judges the unweighted load). A
-    session key sticks to the worker it last went to while that worker is not overloaded;
-    the table keeps the ``max_sessions`` most recent keys.
+    Expected work = prompt tokens no tier has + tier-priced fetched tokens + weighted queued
+    load (``CostModel.weight``: in full while another candidate is idle; the guard judges the
+    unweighted load). A session key sticks to the worker it last went to while that worker is
+    not overloaded; the table keeps the ``max_sessions`` most recent keys.
     """
 
     name = "prefix_affinity"
@@ -369,13 +358,13 @@ def make_policy(name: str = DEFAULT_POLICY, **kwargs) -> RoutingPolicy:
     return cls(**kwargs)
 
 
-def route(
+def pick_and_insert(
     index: PrefixIndex,
     policy: RoutingPolicy,
     request: RouteRequest,
     loads: Mapping[WorkerId, WorkerLoad],
 ) -> Decision:
-    """Match, pick, then record the routed pages optimistically on the chosen worker.
+    """Match, pick, then insert the routed pages optimistically on the chosen worker.
 
     The optimistic insert is what keeps a burst of same-prefix requests together before the
     chosen worker's block events arrive.

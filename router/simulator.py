@@ -1,7 +1,7 @@
 """Trace-driven cluster simulator: replay a Mooncake-format trace through the real router.
 
 Every request is hashed into pages, matched against the real ``PrefixIndex`` and routed by
-the real policy with ``policies.route`` (match, pick, optimistic insert). N simulated
+the real policy with ``policies.pick_and_insert`` (match, pick, optimistic insert). N simulated
 workers serve it; each one has an LRU page cache (plus an optional host tier and a shared
 Redis tier), emits ``BlockStored``/``BlockRemoved`` events with its own sequence numbers into
 the index, and reports ``WorkerLoad`` to the policy. The model (see docs/router.md):
@@ -42,7 +42,7 @@ from kvmesh.router.policies import (
     RouteRequest,
     WorkerLoad,
     make_policy,
-    route,
+    pick_and_insert,
 )
 from kvmesh.router.prefix_index import DEVICE, HOST, REDIS, PrefixIndex
 from kvmesh.router.profiles import DEFAULT_PROFILE, SimProfile, get_profile
@@ -453,7 +453,7 @@ def simulate(
         pages = page_hashes(req.hash_ids[: _full_pages(req)])
         rr = RouteRequest(req.input_length, pages, BLOCK_TOKENS)
         loads = {wid: w.load(now) for wid, w in workers.items()}
-        decision = route(index, policy, rr, loads)
+        decision = pick_and_insert(index, policy, rr, loads)
         reasons[decision.reason] += 1
         w = workers[decision.worker_id]
         job = _Job(req, pages, t_arr, 0)

@@ -18,7 +18,7 @@ from kvmesh.router import (
     RouteRequest,
     WorkerLoad,
     make_policy,
-    route,
+    pick_and_insert,
 )
 
 FP = "router-test-fp"
@@ -96,19 +96,36 @@ def test_queued_work_outweighs_a_small_cache_hit():
 
 
 def test_queue_weight_scales_queued_work_against_recompute():
-    # Default 0.1: 2,000 queued tokens weigh 200, less than the 1,024 a cold worker would
-    # recompute, so affinity holds; past 10x the hit (and within the guard) it moves.
+    # Default 0.1 while every worker is busy: 2,000 queued tokens weigh 200, less than the
+    # 1,024 a cold worker would recompute, so affinity holds; past 10x the hit (and within
+    # the guard) it moves. (w1 decodes one sequence: busy, not idle.)
+    busy = WorkerLoad(running=1)
     pol = make_policy("prefix_affinity", rng=random.Random(0))
-    loads = {"w0": WorkerLoad(queued_prefill_tokens=2000), "w1": IDLE}
+    loads = {"w0": WorkerLoad(queued_prefill_tokens=2000), "w1": busy}
     d = pol.pick(REQ, {"w0": Match(device=64)}, loads)
     assert d.worker_id == "w0" and d.score("w0").total == pytest.approx(200.0)
     assert d.score("w0").load == 2000  # the unweighted load is what the guard judges
     pol = make_policy("prefix_affinity", guard=LoadGuard(slack_tokens=1e9), rng=random.Random(0))
     loads["w0"] = WorkerLoad(queued_prefill_tokens=11_000)
     assert pol.pick(REQ, {"w0": Match(device=64)}, loads).worker_id == "w1"
-    for bad in (-1, float("nan")):
-        with pytest.raises(ValueError, match="queue_weight"):
-            CostModel(queue_weight=bad)
+    for name in ("queue_weight", "idle_queue_weight"):
+        for bad in (-1, float("nan")):
+            with pytest.raises(ValueError, match=name):
+                CostModel(**{name: bad})
+
+
+def test_an_idle_worker_beats_a_cache_hit_behind_a_longer_queue():
+    # w1 is idle: the queue at w0 now counts in full. 2,000 queued tokens are more than the
+    # 1,024 the hit saves, so the request goes to the idle worker; 500 are less, so it stays.
+    pol = make_policy("prefix_affinity", rng=random.Random(0))
+    loads = {"w0": WorkerLoad(queued_prefill_tokens=2000), "w1": IDLE}
+    d = pol.pick(REQ, {"w0": Match(device=64)}, loads)
+    assert d.worker_id == "w1" and d.score("w0").total == pytest.approx(2000.0)
+    loads["w0"] = WorkerLoad(queued_prefill_tokens=500)
+    assert pol.pick(REQ, {"w0": Match(device=64)}, loads).worker_id == "w0"
+    # a worker with one short decode left is not worth leaving for an idle one
+    loads["w0"] = WorkerLoad(running=1)
+    assert pol.pick(REQ, {"w0": Match(device=64)}, loads).worker_id == "w0"
     assert LoadGuard.from_seconds(5.0, 20_000.0).slack_tokens == 100_000.0
     with pytest.raises(ValueError, match="prefill_tokens_per_s"):
         LoadGuard.from_seconds(5.0, float("nan"))
@@ -183,11 +200,11 @@ def test_optimistic_insert_keeps_a_burst_together():
     for seed in range(20):  # whichever worker the first pick lands on, the burst follows it
         idx = empty_index()
         pol = make_policy(rng=random.Random(seed))
-        first = route(idx, pol, REQ, idle())
+        first = pick_and_insert(idx, pol, REQ, idle())
         assert first.tied == W3
         firsts.add(first.worker_id)
         for _ in range(5):
-            d = route(idx, pol, REQ, idle())
+            d = pick_and_insert(idx, pol, REQ, idle())
             assert d.worker_id == first.worker_id and d.tied == (first.worker_id,)
     assert len(firsts) == 3
     # Without the optimistic insert, the same burst scatters.
