@@ -1,12 +1,6 @@
-"""Pages between workers: the KVTransfer framing, the PageSource a server serves from, and
-PeerTier, the tier that reads another worker's pages: over the peer's raw-TCP data plane
-(``kvstore.dataplane``) when it offers one, else over gRPC ``Fetch``.
-
-On the wire a page is its encoded page object (``kvstore.codec``), cut into ``PagePiece``s so
-that no ``PageChunk`` message exceeds 1 MiB. Each piece carries the object's total size and
-the CRC-32 of the whole object; the receiver reassembles the pieces in order and drops an
-object whose size or CRC does not match (a miss, never wrong bytes). The codec's own header
-and checksum are checked again by whoever decodes the page (``TieredStore``).
+"""PeerTier: the tier that reads other workers' pages, the client side of their KVTransfer
+service: over a peer's raw-TCP data plane (``kvstore.dataplane``) when it offers one, else
+over gRPC ``Fetch``.
 """
 
 from __future__ import annotations
@@ -14,224 +8,22 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import zlib
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Iterator, Sequence
 
 import grpc
 
-from kvmesh.kvstore.codec import PageCodecError, PageSpec, decode, read_header
 from kvmesh.kvstore.dataplane import TOKEN_BYTES, DataPlaneClient, detached
 from kvmesh.kvstore.dataplane import VERSION as DATA_PLANE_VERSION
-from kvmesh.kvstore.hashing import PAGE_HASH_BYTES
+from kvmesh.kvstore.peer.framing import MAX_PAGE_BYTES, PageAssembler, page_chunks
 from kvmesh.kvstore.tier import Tier
 from kvmesh.protos.kvmesh.v1 import kv_transfer_pb2 as pb
 from kvmesh.protos.kvmesh.v1 import kv_transfer_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 
-MAX_CHUNK_BYTES = 1 << 20  # the largest serialized PageChunk either side sends
-MAX_PAGE_BYTES = 1 << 30  # a receiver refuses to buffer an object claiming more than this
-# bounds on protobuf framing: a piece's tag and length varint inside its chunk, and the same
-# for the data field inside a piece (1 + at most 5 bytes each)
-_EMBED = 6
-_DATA_FIELD = 6
-_MIN_PIECE_DATA = 4096  # start a new chunk rather than send a sliver of an object
 # how long a peer's "no data plane" (or a data plane that failed before any page) holds
 # before PeerTier asks its DataPlane RPC again
 DATA_PLANE_RECHECK_S = 10.0
-
-
-def crc32(obj: bytes | memoryview) -> int:
-    return zlib.crc32(obj) & 0xFFFFFFFF
-
-
-# ---------------------------------------------------------------- the server's page source
-
-
-@runtime_checkable
-class PageSource(Protocol):
-    """Where a worker's KVTransfer service finds pages and stores pushed ones.
-
-    Methods are called from a thread pool, never from the event loop, and may block. The
-    engine-side source reads device pages on the engine thread; ``TierPageSource`` serves
-    any ``Tier``.
-    """
-
-    def lookup(self, hashes: Sequence[bytes]) -> list[str | None]:
-        """For each hash, the name of the tier that holds it, or ``None``. No LRU change."""
-
-    def fetch(self, hashes: Sequence[bytes]) -> list[bytes | None]:
-        """For each hash, its encoded page object, or ``None`` for a miss."""
-
-    def accept(self, items: list[tuple[bytes, bytes]]) -> int:
-        """Validate and store pushed ``(hash, object)`` pairs; returns how many were stored."""
-
-
-class TierPageSource:
-    """A PageSource over tiers, first hit wins; pushed pages go to the first tier.
-
-    Pushed objects must be page objects of the codec (framing, magic, version); with a
-    ``spec`` they must also decode under it (model, cache format, shape, checksum), so a
-    peer can never plant foreign KV in this worker's tiers.
-    """
-
-    def __init__(self, tiers: Tier | Sequence[Tier], *, spec: PageSpec | None = None) -> None:
-        self.tiers = [tiers] if isinstance(tiers, Tier) else list(tiers)
-        if not self.tiers:
-            raise ValueError("TierPageSource needs at least one tier")
-        self.spec = spec
-
-    def lookup(self, hashes: Sequence[bytes]) -> list[str | None]:
-        where: list[str | None] = [None] * len(hashes)
-        pending = list(range(len(hashes)))
-        for tier in self.tiers:
-            if not pending:
-                break
-            found = tier.contains([hashes[i] for i in pending])
-            for i, hit in zip(pending, found):
-                if hit:
-                    where[i] = tier.name
-            pending = [i for i, hit in zip(pending, found) if not hit]
-        return where
-
-    def fetch(self, hashes: Sequence[bytes]) -> list[bytes | None]:
-        out: list[bytes | None] = [None] * len(hashes)
-        pending = list(range(len(hashes)))
-        for tier in self.tiers:
-            if not pending:
-                break
-            objs = tier.get([hashes[i] for i in pending])
-            for i, obj in zip(pending, objs):
-                out[i] = obj
-            pending = [i for i, obj in zip(pending, objs) if obj is None]
-        return out
-
-    def accept(self, items: list[tuple[bytes, bytes]]) -> int:
-        good = [(h, obj) for h, obj in items if self._valid(h, obj)]
-        if good:
-            self.tiers[0].put(good)
-        return len(good)
-
-    def _valid(self, h: bytes, obj: bytes) -> bool:
-        try:
-            if self.spec is not None:
-                decode(self.spec, obj)
-            else:
-                read_header(obj)
-        except PageCodecError as e:
-            logger.warning("pushed page %s rejected: %s", h.hex(), e)
-            return False
-        return True
-
-
-# ---------------------------------------------------------------- framing
-
-
-def page_chunks(
-    pages: Iterable[tuple[int, bytes, bytes | None]], max_bytes: int = MAX_CHUNK_BYTES
-) -> Iterator[pb.PageChunk]:
-    """``(index, hash, object or None)`` -> PageChunks of at most ``max_bytes`` serialized.
-
-    Pieces follow the input order; an object is cut into consecutive pieces (offsets
-    increasing) when it does not fit the room left in a chunk. ``None`` becomes a piece with
-    ``found=False``.
-    """
-    chunk = pb.PageChunk()
-    size = 0
-    for index, h, obj in pages:
-        if obj is None:
-            piece = pb.PagePiece(hash=h, index=index, found=False)
-            need = piece.ByteSize() + _EMBED
-            if size + need > max_bytes and chunk.pieces:
-                yield chunk
-                chunk, size = pb.PageChunk(), 0
-            chunk.pieces.append(piece)
-            size += need
-            continue
-        view = memoryview(obj).cast("B")
-        total = view.nbytes
-        crc = crc32(view)
-        offset = 0
-        while True:
-            header = pb.PagePiece(
-                hash=h, index=index, found=True, total_size=total, offset=offset, crc32=crc
-            )
-            room = max_bytes - size - header.ByteSize() - _DATA_FIELD - _EMBED
-            left = total - offset
-            whole_fits_alone = offset == 0 and left <= max_bytes - header.ByteSize() - 64
-            if chunk.pieces and (
-                room < min(left, _MIN_PIECE_DATA) or (whole_fits_alone and room < left)
-            ):  # a page that fits a chunk of its own is not split: one piece, no joins
-                yield chunk
-                chunk, size = pb.PageChunk(), 0
-                continue
-            if room < 1 and left > 0:
-                raise ValueError(f"max_bytes={max_bytes} leaves no room for page data")
-            n = min(left, room)
-            header.data = view[offset : offset + n].tobytes()
-            chunk.pieces.append(header)
-            size += header.ByteSize() + _EMBED
-            offset += n
-            if offset >= total:
-                break
-    if chunk.pieces:
-        yield chunk
-
-
-class PageAssembler:
-    """Reassembles pieces into objects, keyed by whatever the caller chooses (the index in a
-    Fetch, the hash in a Push). Pieces of one object must arrive in order."""
-
-    def __init__(self, max_page_bytes: int = MAX_PAGE_BYTES) -> None:
-        self.max_page_bytes = max_page_bytes
-        self._partial: dict[Hashable, tuple[bytearray, int, int]] = {}
-        self.corrupt = 0  # objects dropped: out-of-order piece, size or CRC mismatch
-
-    def add(self, key: Hashable, piece: pb.PagePiece) -> tuple[bool, bytes | None] | None:
-        """Feed one piece. Returns None while the object is incomplete, ``(True, object)``
-        when it is complete and intact, ``(False, None)`` for a miss or a dropped object."""
-        if not piece.found:
-            self._partial.pop(key, None)
-            return False, None
-        if piece.offset == 0 and len(piece.data) == piece.total_size and key not in self._partial:
-            # the whole object in one piece (the usual case): no reassembly copies
-            if piece.total_size > self.max_page_bytes:
-                return self._drop(key, f"object of {piece.total_size} bytes is too big")
-            if crc32(piece.data) != piece.crc32:
-                return self._drop(key, "CRC-32 mismatch")
-            return True, piece.data
-        buf, total, crc = self._partial.get(key) or (bytearray(), piece.total_size, piece.crc32)
-        if (
-            piece.offset != len(buf)
-            or piece.total_size != total
-            or piece.crc32 != crc
-            or total > self.max_page_bytes
-            or len(buf) + len(piece.data) > total
-        ):
-            return self._drop(key, f"bad piece at offset {piece.offset} of {total} bytes")
-        buf += piece.data
-        if len(buf) < total:
-            self._partial[key] = (buf, total, crc)
-            return None
-        self._partial.pop(key, None)
-        obj = bytes(buf)
-        if crc32(obj) != crc:
-            return self._drop(key, "CRC-32 mismatch")
-        return True, obj
-
-    def _drop(self, key: Hashable, why: str) -> tuple[bool, None]:
-        self._partial.pop(key, None)
-        self.corrupt += 1
-        logger.warning("page transfer: dropping object %r: %s", key, why)
-        return False, None
-
-    def incomplete(self) -> list[Hashable]:
-        """Keys whose objects were started but never finished."""
-        return list(self._partial)
-
-
-# ---------------------------------------------------------------- the peer tier
 
 
 class PeerTier(Tier):
@@ -579,10 +371,3 @@ def _host_of(address: str) -> str | None:
     if not sep or not host or not port.isdigit():
         return None
     return host.strip("[]")
-
-
-def check_hashes(hashes: Sequence[bytes]) -> None:
-    """Raise ValueError naming the first hash that is not a page hash."""
-    for i, h in enumerate(hashes):
-        if len(h) != PAGE_HASH_BYTES:
-            raise ValueError(f"hash {i} is {len(h)} bytes; page hashes are {PAGE_HASH_BYTES} bytes")

@@ -1,0 +1,181 @@
+"""How kvmesh runs a ``grpc.aio`` server: drained before it stops, and on an event loop of
+its own thread when the caller has none (a Ray actor, a test), called into from other
+threads.
+
+The worker's server (``worker/server.py``) and the router's (``router/service.py``) both run
+this way. Imports only grpc and the standard library (uvloop when a thread of its own is
+asked for), so that any kvmesh package may import it.
+
+- ``aio_server``: the server with kvmesh's channel options;
+- ``Lifecycle``: the draining flag and the RPCs in flight, shared with the servicers;
+- ``Drain``: ``stop(grace)`` drains once, however often it is called;
+- ``ServerThread``: a uvloop loop on a daemon thread that serves until the server stopped;
+- ``call_in_loop``: run a plain function on a server's loop from another thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, TypeVar
+
+import grpc
+
+T = TypeVar("T")
+
+
+def aio_server(max_message_mb: int) -> grpc.aio.Server:
+    """A grpc.aio server that sends and receives messages of up to ``max_message_mb`` MiB,
+    with SO_REUSEPORT off: a second server on a port in use fails to bind instead of
+    sharing its calls."""
+    if max_message_mb < 1:
+        raise ValueError(f"max_message_mb must be >= 1, got {max_message_mb}")
+    limit = max_message_mb * 2**20
+    return grpc.aio.server(
+        options=[
+            ("grpc.max_send_message_length", limit),
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.so_reuseport", 0),
+        ]
+    )
+
+
+class Lifecycle:
+    """What a server shares with its servicers: ``draining`` (set: they refuse new calls
+    with UNAVAILABLE) and ``inflight``, the tasks of the RPCs a drain waits for. A servicer
+    calls ``enter()`` once it has accepted a call and ``leave()`` when it is done, both in
+    the call's task."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self.inflight: set[asyncio.Task] = set()
+
+    def enter(self) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self.inflight.add(task)
+
+    def leave(self) -> None:
+        self.inflight.discard(asyncio.current_task())
+
+
+class Drain:
+    """Drain then stop, once.
+
+    ``stop(grace, drain_and_stop)`` starts ``drain_and_stop()`` on its first call; a later
+    call (a second SIGTERM) can only bring the drain's deadline nearer. Every call returns
+    when ``drain_and_stop`` has returned. Inside it, ``wait_for`` waits for the in-flight
+    calls until that deadline. Drain, then one ``grpc.aio`` stop: two overlapping stop()
+    calls can crash grpcio 1.85 while it cancels calls, so there is never a second one.
+    """
+
+    def __init__(self) -> None:
+        self.deadline = float("inf")  # loop time
+        self._task: asyncio.Future | None = None
+
+    async def stop(self, grace: float, drain_and_stop: Callable[[], Awaitable[None]]) -> None:
+        loop = asyncio.get_running_loop()
+        self.deadline = min(self.deadline, loop.time() + grace)
+        if self._task is None:
+            self._task = asyncio.ensure_future(drain_and_stop())
+        await asyncio.shield(self._task)
+
+    def left(self) -> float:
+        """Seconds of grace left (negative once the deadline passed)."""
+        return self.deadline - asyncio.get_running_loop().time()
+
+    async def wait_for(
+        self, tasks: Iterable[asyncio.Task], busy: Callable[[], bool] | None = None
+    ) -> None:
+        """Until every one of ``tasks`` is done and ``busy()`` (work the server tracks
+        outside its tasks, e.g. a data plane's requests) is false, or the deadline passed.
+        The tasks are those in flight now: calls accepted later are not waited for."""
+        pending = [t for t in tasks if not t.done()]
+        while (pending or (busy is not None and busy())) and (left := self.left()) > 0:
+            if pending:
+                await asyncio.wait(pending, timeout=min(left, 0.1))
+            else:
+                await asyncio.sleep(min(left, 0.05))
+            pending = [t for t in pending if not t.done()]
+
+
+class ServerThread:
+    """A server's own thread and uvloop event loop.
+
+    ``start(start, serve)`` runs ``start()`` on the new loop and returns its result (or
+    raises its error) once it has returned; the thread then runs ``serve()`` (until the
+    server has stopped), shuts the loop's default executor down and ends. ``stop(stop,
+    timeout)`` runs ``stop()`` on that loop and joins the thread; ``call`` runs a plain
+    function there.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.loop is not None and self._thread is not None and self._thread.is_alive()
+
+    def start(self, start: Callable[[], Awaitable[T]], serve: Callable[[], Awaitable[Any]]) -> T:
+        import uvloop
+
+        started = threading.Event()
+        box: list = []
+
+        def run() -> None:
+            loop = uvloop.new_event_loop()
+            self.loop = loop
+            asyncio.set_event_loop(loop)
+            try:
+                box.append(loop.run_until_complete(start()))
+            except BaseException as e:
+                box.append(e)
+                loop.close()
+                started.set()
+                return
+            started.set()
+            loop.run_until_complete(serve())
+            loop.run_until_complete(loop.shutdown_default_executor())
+            loop.close()
+
+        self._thread = threading.Thread(target=run, name=self.name, daemon=True)
+        self._thread.start()
+        started.wait()
+        if isinstance(box[0], BaseException):
+            raise box[0]
+        return box[0]
+
+    def stop(self, stop: Callable[[], Awaitable[Any]], timeout: float) -> None:
+        """Run ``stop()`` on the loop and wait (up to ``timeout`` seconds each) for it and
+        for the thread to end; nothing when the thread is not running."""
+        if not self.alive:
+            return
+        fut = asyncio.run_coroutine_threadsafe(stop(), self.loop)
+        fut.result(timeout)
+        self._thread.join(timeout)
+
+    def call(self, fn: Callable[..., T], *args, timeout: float = 30.0, **kwargs) -> T:
+        if self.loop is None:
+            raise RuntimeError(f"{self.name}: the server is not running")
+        return call_in_loop(self.loop, fn, *args, timeout=timeout, **kwargs)
+
+
+def call_in_loop(
+    loop: asyncio.AbstractEventLoop, fn: Callable[..., T], *args, timeout: float, **kwargs
+) -> T:
+    """Run ``fn(*args, **kwargs)`` on ``loop`` (from another thread) and return its result
+    within ``timeout`` seconds; its exceptions are re-raised here."""
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            fut.set_result(fn(*args, **kwargs))
+        except BaseException as e:  # handed back to the calling thread
+            fut.set_exception(e)
+
+    loop.call_soon_threadsafe(run)
+    return fut.result(timeout)
