@@ -20,8 +20,8 @@ import grpc
 import pytest
 
 from kvmesh.kvstore import dataplane as dp
-from kvmesh.kvstore.dataplane import memory, sockets
 from kvmesh.kvstore.codec import PageSpec, decode, encode
+from kvmesh.kvstore.dataplane import memory, sockets
 from kvmesh.kvstore.host import HostTier
 from kvmesh.kvstore.peer import MAX_CHUNK_BYTES, PeerTier, TierPageSource
 from kvmesh.kvstore.store import TieredStore
@@ -32,9 +32,14 @@ from kvmesh.worker.server import WorkerServer
 
 # pages bigger than a gRPC chunk, so Fetch has to cut and reassemble them
 SPEC = PageSpec(
-    model_fp="ab12", cache_format="fp32", num_layers=2, num_kv_heads=8, head_size=128,
-    block_size=80, page_nbytes=2 * 2 * 80 * 8 * 128 * 4,
-)  # fmt: skip
+    model_fp="ab12",
+    cache_format="fp32",
+    num_layers=2,
+    num_kv_heads=8,
+    head_size=128,
+    block_size=80,
+    page_nbytes=2 * 2 * 80 * 8 * 128 * 4,
+)
 
 
 def h(i: int) -> bytes:

@@ -264,9 +264,13 @@ def test_retries_unavailable_until_the_server_is_up(server):
     timer.start()
     try:
         with Client(
-            f"127.0.0.1:{port}", retries=8, backoff_s=0.1, backoff_max_s=0.5,
-            channel_options=fast_reconnect, timeout=60,
-        ) as c:  # fmt: skip
+            f"127.0.0.1:{port}",
+            retries=8,
+            backoff_s=0.1,
+            backoff_max_s=0.5,
+            channel_options=fast_reconnect,
+            timeout=60,
+        ) as c:
             res = c.generate_text("Hi", temperature=0, max_tokens=3)
         assert res.usage.completion_tokens == 3
     finally:
@@ -402,10 +406,8 @@ def test_per_call_metadata_and_timeout_reach_the_server(flaky):
 def test_kvmesh_worker_cli_serves_and_drains_on_sigterm(smol_src):
     port = free_port()
     env = {**os.environ, "KVMESH_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable, "-m", "kvmesh.cluster.cli", "worker", "--host", "127.0.0.1",
-        "--port", str(port), "--kv-cache-memory", "64MiB", "--grace-period", "60",
-    ]  # fmt: skip
+    args = f"worker --host 127.0.0.1 --port {port} --kv-cache-memory 64MiB --grace-period 60"
+    cmd = [sys.executable, "-m", "kvmesh.cluster.cli", *args.split()]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         with Client(f"127.0.0.1:{port}", retries=0, timeout=5) as c:

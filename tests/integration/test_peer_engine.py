@@ -102,10 +102,11 @@ def test_a_request_naming_a_peer_pulls_its_pages(cluster, prompts, reference, sh
     try:
         prompt = prompts[0]  # A computed it in the first test
         req = ipb.GenerateRequest(
-            token_ids=ipb.TokenIds(ids=prompt), request_id="hinted",
+            token_ids=ipb.TokenIds(ids=prompt),
+            request_id="hinted",
             sampling=ipb.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
             peer_addresses=[a.address],
-        )  # fmt: skip
+        )
         with grpc.insecure_channel(server.address) as ch:
             msgs = list(ipb_grpc.InferenceStub(ch).Generate(req, timeout=300))
     finally:

@@ -21,6 +21,7 @@ from kvmesh.kvstore.peer import (
     PeerTier,
     TierPageSource,
     page_chunks,
+    valid_pushes,
 )
 from kvmesh.protos.kvmesh.v1 import kv_transfer_pb2 as pb
 from kvmesh.protos.kvmesh.v1 import kv_transfer_pb2_grpc as pb_grpc
@@ -28,9 +29,14 @@ from kvmesh.worker.server import WorkerServer
 
 # a page object bigger than two chunks, as an fp32 page of a larger model would be
 SPEC = PageSpec(
-    model_fp="ab12", cache_format="fp32", num_layers=4, num_kv_heads=8, head_size=128,
-    block_size=80, page_nbytes=4 * 2 * 80 * 8 * 128 * 4,
-)  # fmt: skip
+    model_fp="ab12",
+    cache_format="fp32",
+    num_layers=4,
+    num_kv_heads=8,
+    head_size=128,
+    block_size=80,
+    page_nbytes=4 * 2 * 80 * 8 * 128 * 4,
+)
 OTHER_MODEL = PageSpec(**{**SPEC.__dict__, "model_fp": "cd34"})
 
 
@@ -163,6 +169,19 @@ def test_push_with_a_torn_object_rejects_it(host, stub):
     resp = stub.Push(iter([torn, bad_crc]))
     assert (resp.accepted, resp.rejected) == (0, 2)
     assert host.contains([h(13), h(14)]) == [False, False]
+
+
+def test_only_page_objects_of_the_spec_under_page_hashes_are_valid_pushes():
+    items = [
+        (h(1), page(1)),
+        (b"short", page(2)),  # not a page hash
+        (h(3), page(3, OTHER_MODEL)),  # a valid object of another model
+        (h(4), b"junk"),
+        (h(5), page(5)),
+    ]
+    assert valid_pushes(items, SPEC) == [items[0], items[4]]
+    # without a spec: any codec object, still under a page hash
+    assert valid_pushes(items, None) == [items[0], items[2], items[4]]
 
 
 def test_peer_tier_contains_and_get_against_a_live_peer(host, server, data_plane):
