@@ -40,9 +40,18 @@ MIN_SCALE = tl.constexpr(quant.MIN_SCALE)
 
 
 def _check_write_args(
-    fmt, k, v, cache, slot_mapping, residual_k, residual_v, residual_slots, complete_pages,
+    *,
+    fmt,
+    k,
+    v,
+    cache,
+    slot_mapping,
+    residual_k,
+    residual_v,
+    residual_slots,
+    complete_pages,
     complete_src,
-) -> tuple[int, int, int]:  # fmt: skip
+) -> tuple[int, int, int]:
     bs, H, D = check_cache(fmt, cache, residual_k, residual_v)
     if k.shape != v.shape or k.dim() != 3 or tuple(k.shape[1:]) != (H, D):
         raise ValueError(f"k, v must be (T, {H}, {D}), got {tuple(k.shape)}, {tuple(v.shape)}")
@@ -80,9 +89,17 @@ def write_kv_cache_torch(
     """Store k, v (T, Hkv, D) into one layer's cache views (and residual); see the module doc.
     Negative slots (float formats) are skipped."""
     bs, H, D = _check_write_args(
-        fmt, k, v, cache, slot_mapping, residual_k, residual_v, residual_slots,
-        complete_pages, complete_src,
-    )  # fmt: skip
+        fmt=fmt,
+        k=k,
+        v=v,
+        cache=cache,
+        slot_mapping=slot_mapping,
+        residual_k=residual_k,
+        residual_v=residual_v,
+        residual_slots=residual_slots,
+        complete_pages=complete_pages,
+        complete_src=complete_src,
+    )
     if fmt in FLOAT_FORMATS:
         _store_rows_torch(k, v, cache["k"], cache["v"], slot_mapping, bs)
         return
@@ -284,8 +301,8 @@ def _quantize_pages_kernel(
     rk_ptr, rv_ptr, s_rkp, s_rkt, s_rkh, s_rvp, s_rvt, s_rvh,  # residual (R, BS, H, D)
     pages_ptr,  # (n,) int64 completing pages
     src_ptr, s_src,  # (n, BS) int64 sources
-    ok_ptr, oks_ptr, okz_ptr, s_okp, s_okt, s_okh, s_ksp, s_kst, s_ksh, s_ksd,  # K components
-    ov_ptr, ovs_ptr, ovz_ptr, s_ovp, s_ovt, s_ovh, s_vsp, s_vst, s_vsh, s_vsd,  # V components
+    ok_ptr, oks_ptr, okz_ptr, s_okp, s_okt, s_okh, s_oksp, s_okst, s_oksh, s_oksd,  # K out
+    ov_ptr, ovs_ptr, ovz_ptr, s_ovp, s_ovt, s_ovh, s_ovsp, s_ovst, s_ovsh, s_ovsd,  # V out
     RROWS, D,
     FMT: tl.constexpr, BS: tl.constexpr, BLOCK_D: tl.constexpr,
     GROUP: tl.constexpr, NUM_GROUPS: tl.constexpr, BLOCK_G2: tl.constexpr,
@@ -296,28 +313,50 @@ def _quantize_pages_kernel(
     src = tl.load(src_ptr + i * s_src + tl.arange(0, BS))  # (BS,) int64
     _quantize_side(
         k_ptr, s_kt, s_kh, rk_ptr, s_rkp, s_rkt, s_rkh, src, RROWS, page, h,
-        ok_ptr, s_okp, s_okt, s_okh, oks_ptr, okz_ptr, s_ksp, s_kst, s_ksh, s_ksd,
+        ok_ptr, s_okp, s_okt, s_okh, oks_ptr, okz_ptr, s_oksp, s_okst, s_oksh, s_oksd,
         D, FMT, True, BS, BLOCK_D, GROUP, NUM_GROUPS, BLOCK_G2,
     )  # fmt: skip
     _quantize_side(
         v_ptr, s_vt, s_vh, rv_ptr, s_rvp, s_rvt, s_rvh, src, RROWS, page, h,
-        ov_ptr, s_ovp, s_ovt, s_ovh, ovs_ptr, ovz_ptr, s_vsp, s_vst, s_vsh, s_vsd,
+        ov_ptr, s_ovp, s_ovt, s_ovh, ovs_ptr, ovz_ptr, s_ovsp, s_ovst, s_ovsh, s_ovsd,
         D, FMT, False, BS, BLOCK_D, GROUP, NUM_GROUPS, BLOCK_G2,
     )  # fmt: skip
 
 
-def _launch_store_rows(k, v, dst_k, dst_v, slots, bs: int, D: int) -> None:
+def _launch_store_rows(
+    *,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dst_k: torch.Tensor,
+    dst_v: torch.Tensor,
+    slots: torch.Tensor,
+    bs: int,
+    D: int,
+) -> None:
+    """k, v (T, H, D) into dst_k, dst_v (pages, bs, H, D) at ``slots`` (T,) int64."""
     T, H, _ = k.shape
     if T == 0:
         return
     _store_rows_kernel[(T, H)](
-        k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        slots,
-        dst_k, dst_v,
-        dst_k.stride(0), dst_k.stride(1), dst_k.stride(2),
-        dst_v.stride(0), dst_v.stride(1), dst_v.stride(2),
-        D, BS=bs, BLOCK_D=triton.next_power_of_2(D),
-    )  # fmt: skip
+        k_ptr=k,
+        v_ptr=v,
+        s_kt=k.stride(0),
+        s_kh=k.stride(1),
+        s_vt=v.stride(0),
+        s_vh=v.stride(1),
+        slots_ptr=slots,
+        dk_ptr=dst_k,
+        dv_ptr=dst_v,
+        s_dkp=dst_k.stride(0),
+        s_dkt=dst_k.stride(1),
+        s_dkh=dst_k.stride(2),
+        s_dvp=dst_v.stride(0),
+        s_dvt=dst_v.stride(1),
+        s_dvh=dst_v.stride(2),
+        D=D,
+        BS=bs,
+        BLOCK_D=triton.next_power_of_2(D),
+    )
 
 
 def write_kv_cache_triton(
@@ -335,30 +374,59 @@ def write_kv_cache_triton(
 ) -> None:
     """``write_kv_cache_torch``'s Triton twin: same arguments, same bytes."""
     bs, H, D = _check_write_args(
-        fmt, k, v, cache, slot_mapping, residual_k, residual_v, residual_slots,
-        complete_pages, complete_src,
-    )  # fmt: skip
+        fmt=fmt,
+        k=k,
+        v=v,
+        cache=cache,
+        slot_mapping=slot_mapping,
+        residual_k=residual_k,
+        residual_v=residual_v,
+        residual_slots=residual_slots,
+        complete_pages=complete_pages,
+        complete_src=complete_src,
+    )
     if fmt in FLOAT_FORMATS:
-        _launch_store_rows(k, v, cache["k"], cache["v"], slot_mapping, bs, D)
+        _launch_store_rows(
+            k=k, v=v, dst_k=cache["k"], dst_v=cache["v"], slots=slot_mapping, bs=bs, D=D
+        )
         return
     n = complete_pages.shape[0]
     if n:
-        dk, sk, zk, dks, sks, _ = kv_args(fmt, cache, "k")
-        dv, sv, zv, dvs, svs, _ = kv_args(fmt, cache, "v")
         group = int4_v_group(D)
+        rk, rv = residual_k.stride(), residual_v.stride()
         _quantize_pages_kernel[(n, H)](
-            k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            residual_k, residual_v, *residual_k.stride()[:3], *residual_v.stride()[:3],
-            complete_pages,
-            complete_src, complete_src.stride(0),
-            dk, sk, zk, *dks, *sks,
-            dv, sv, zv, *dvs, *svs,
-            residual_k.shape[0] * bs, D,
-            FMT=fmt_code(fmt), BS=bs, BLOCK_D=triton.next_power_of_2(D),
-            GROUP=group, NUM_GROUPS=D // group, BLOCK_G2=triton.next_power_of_2(group // 2),
-        )  # fmt: skip
+            k_ptr=k,
+            v_ptr=v,
+            s_kt=k.stride(0),
+            s_kh=k.stride(1),
+            s_vt=v.stride(0),
+            s_vh=v.stride(1),
+            rk_ptr=residual_k,
+            rv_ptr=residual_v,
+            s_rkp=rk[0],
+            s_rkt=rk[1],
+            s_rkh=rk[2],
+            s_rvp=rv[0],
+            s_rvt=rv[1],
+            s_rvh=rv[2],
+            pages_ptr=complete_pages,
+            src_ptr=complete_src,
+            s_src=complete_src.stride(0),
+            **kv_args(fmt, cache, "k").kwargs("ok"),
+            **kv_args(fmt, cache, "v").kwargs("ov"),
+            RROWS=residual_k.shape[0] * bs,
+            D=D,
+            FMT=fmt_code(fmt),
+            BS=bs,
+            BLOCK_D=triton.next_power_of_2(D),
+            GROUP=group,
+            NUM_GROUPS=D // group,
+            BLOCK_G2=triton.next_power_of_2(group // 2),
+        )
     # after the pages: their sources may be the very residual rows this overwrites
-    _launch_store_rows(k, v, residual_k, residual_v, residual_slots, bs, D)
+    _launch_store_rows(
+        k=k, v=v, dst_k=residual_k, dst_v=residual_v, slots=residual_slots, bs=bs, D=D
+    )
 
 
 def write_kv_cache(
@@ -377,7 +445,14 @@ def write_kv_cache(
     """Dispatch: the Triton kernel on CUDA, the torch twin elsewhere."""
     impl = write_kv_cache_triton if k.is_cuda else write_kv_cache_torch
     impl(
-        fmt=fmt, k=k, v=v, cache=cache, slot_mapping=slot_mapping,
-        residual_k=residual_k, residual_v=residual_v, residual_slots=residual_slots,
-        complete_pages=complete_pages, complete_src=complete_src,
-    )  # fmt: skip
+        fmt=fmt,
+        k=k,
+        v=v,
+        cache=cache,
+        slot_mapping=slot_mapping,
+        residual_k=residual_k,
+        residual_v=residual_v,
+        residual_slots=residual_slots,
+        complete_pages=complete_pages,
+        complete_src=complete_src,
+    )

@@ -67,10 +67,23 @@ def paged_decode_attention_cpu(
     if B:
         fn = (library or default_library()).fn(_SYMBOLS[fmt])
         rc = fn(
-            qf.data_ptr(), k.data_ptr(), v.data_ptr(), tables.data_ptr(), lens.data_ptr(),
-            o.data_ptr(), B, tables.shape[1], Hq, Hkv, D, bs, k.stride(0), float(scale),
-            sliding_window or 0, torch.get_num_threads(),
-        )  # fmt: skip
+            qf.data_ptr(),
+            k.data_ptr(),
+            v.data_ptr(),
+            tables.data_ptr(),
+            lens.data_ptr(),
+            o.data_ptr(),
+            B,
+            tables.shape[1],
+            Hq,
+            Hkv,
+            D,
+            bs,
+            k.stride(0),
+            float(scale),
+            sliding_window or 0,
+            torch.get_num_threads(),
+        )
         if rc:
             raise MemoryError("the CPU attention kernel could not allocate its score buffer")
     o = o.to(q.dtype)

@@ -44,8 +44,10 @@ def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
 
 def _check(name: str, t: torch.Tensor, dim: int) -> None:
     if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != dim:
-        raise ValueError(f"{name} must be a {dim}-d float32 CPU tensor, got {t.dtype} "
-                         f"{tuple(t.shape)} on {t.device}")  # fmt: skip
+        raise ValueError(
+            f"{name} must be a {dim}-d float32 CPU tensor, got {t.dtype} "
+            f"{tuple(t.shape)} on {t.device}"
+        )
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
 
@@ -67,8 +69,16 @@ def rmsnorm_cpu(x, weight, eps: float, *, library: CpuLibrary | None = None) -> 
     if weight.shape[0] != H:
         raise ValueError(f"weight has {weight.shape[0]} values for rows of {H}")
     out = torch.empty_like(x)
-    _run(_lib(library), "kvmesh_rmsnorm_f32", x.data_ptr(), weight.data_ptr(), out.data_ptr(),
-         T, H, float(eps))  # fmt: skip
+    _run(
+        _lib(library),
+        "kvmesh_rmsnorm_f32",
+        x.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        T,
+        H,
+        float(eps),
+    )
     return out
 
 
@@ -81,19 +91,35 @@ def add_rmsnorm_cpu(
     _check("y", y, 2)
     _check("weight", weight, 1)
     if residual.shape != y.shape or weight.shape[0] != residual.shape[1]:
-        raise ValueError(f"shapes differ: residual {tuple(residual.shape)}, y {tuple(y.shape)}, "
-                         f"weight {tuple(weight.shape)}")  # fmt: skip
+        raise ValueError(
+            f"shapes differ: residual {tuple(residual.shape)}, y {tuple(y.shape)}, "
+            f"weight {tuple(weight.shape)}"
+        )
     T, H = residual.shape
     out = torch.empty_like(residual)
-    _run(_lib(library), "kvmesh_add_rmsnorm_f32", residual.data_ptr(), y.data_ptr(),
-         weight.data_ptr(), out.data_ptr(), T, H, float(eps))  # fmt: skip
+    _run(
+        _lib(library),
+        "kvmesh_add_rmsnorm_f32",
+        residual.data_ptr(),
+        y.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        T,
+        H,
+        float(eps),
+    )
     return out
 
 
 def rotary_cpu_(
-    x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, signed_sin: torch.Tensor,
-    *, library: CpuLibrary | None = None,
-) -> None:  # fmt: skip
+    x: torch.Tensor,
+    heads: int,
+    head_dim: int,
+    cos: torch.Tensor,
+    signed_sin: torch.Tensor,
+    *,
+    library: CpuLibrary | None = None,
+) -> None:
     """Rotate the first ``heads`` heads of every row of x (T, W) in place, W >= heads *
     head_dim (the fused qkv output: q and k heads first). cos, signed_sin (T, head_dim) or
     (T, 1, head_dim), contiguous."""
@@ -104,8 +130,17 @@ def rotary_cpu_(
     cos, signed_sin = cos.reshape(T, head_dim), signed_sin.reshape(T, head_dim)
     _check("cos", cos, 2)
     _check("signed_sin", signed_sin, 2)
-    _run(_lib(library), "kvmesh_rotary_f32", x.data_ptr(), cos.data_ptr(),
-         signed_sin.data_ptr(), T, heads, head_dim, W)  # fmt: skip
+    _run(
+        _lib(library),
+        "kvmesh_rotary_f32",
+        x.data_ptr(),
+        cos.data_ptr(),
+        signed_sin.data_ptr(),
+        T,
+        heads,
+        head_dim,
+        W,
+    )
 
 
 def silu_mul_cpu(gate_up: torch.Tensor, *, library: CpuLibrary | None = None) -> torch.Tensor:

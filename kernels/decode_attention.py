@@ -24,31 +24,30 @@ from kvmesh.kernels.page_format import QUANT_FORMATS
 from kvmesh.kernels.paged_kv import (
     NO_WINDOW,
     check_cache,
-    check_index,
+    check_query,
+    check_seq_index,
     check_tile_block_size,
     fmt_code,
     gather_kv_torch,
     kv_args,
     load_kv_tile,
     online_softmax_step,
+    residual_kwargs,
 )
 
 
 def _check_decode_args(
-    q, fmt, cache, residual_k, residual_v, block_tables, context_lens, residual_slots, out
+    *, q, fmt, cache, residual_k, residual_v, block_tables, context_lens, residual_slots, out
 ) -> tuple[int, int, int]:
     bs, Hkv, D = check_cache(fmt, cache, residual_k, residual_v)
-    if q.dim() != 3 or q.shape[2] != D or q.shape[1] % Hkv:
-        raise ValueError(f"q must be (B, Hq, {D}) with Hq a multiple of {Hkv}, got {q.shape}")
-    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16) or q.stride(-1) != 1:
-        raise ValueError(f"q must be fp32/fp16/bf16 with unit dim stride, got {q.dtype}")
-    B = q.shape[0]
-    check_index(block_tables, "block_tables", (B, None))
-    check_index(context_lens, "context_lens", (B,), (torch.int32, torch.int64))
-    if fmt in QUANT_FORMATS:
-        check_index(residual_slots, "residual_slots", (B,))
-    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1):
-        raise ValueError(f"out must be {q.dtype} {tuple(q.shape)}, got {out.dtype} {out.shape}")
+    check_query(q, out, num_kv_heads=Hkv, head_size=D, rows="B")
+    check_seq_index(
+        fmt,
+        num_seqs=q.shape[0],
+        block_tables=block_tables,
+        context_lens=context_lens,
+        residual_slots=residual_slots,
+    )
     return bs, Hkv, D
 
 
@@ -74,13 +73,27 @@ def paged_decode_attention_torch(
     """q (B, Hq, D) -> (B, Hq, D) in q's dtype, computed in fp32. ``num_splits`` only
     matters to the Triton twin (the math is the same)."""
     bs, Hkv, D = _check_decode_args(
-        q, fmt, cache, residual_k, residual_v, block_tables, context_lens, residual_slots, out
+        q=q,
+        fmt=fmt,
+        cache=cache,
+        residual_k=residual_k,
+        residual_v=residual_v,
+        block_tables=block_tables,
+        context_lens=context_lens,
+        residual_slots=residual_slots,
+        out=out,
     )
     B, Hq, _ = q.shape
+    # (B, L, Hkv, D) fp32 each
     k, v = gather_kv_torch(
-        fmt=fmt, cache=cache, residual_k=residual_k, residual_v=residual_v,
-        block_tables=block_tables, context_lens=context_lens, residual_slots=residual_slots,
-    )  # fmt: skip  # (B, L, Hkv, D) fp32
+        fmt=fmt,
+        cache=cache,
+        residual_k=residual_k,
+        residual_v=residual_v,
+        block_tables=block_tables,
+        context_lens=context_lens,
+        residual_slots=residual_slots,
+    )
     L = k.shape[1]
     pos = torch.arange(L, device=q.device)
     ctx = context_lens.to(torch.int64)[:, None]
@@ -230,7 +243,15 @@ def paged_decode_attention_triton(
 ) -> torch.Tensor:
     """``paged_decode_attention_torch``'s Triton twin."""
     bs, Hkv, D = _check_decode_args(
-        q, fmt, cache, residual_k, residual_v, block_tables, context_lens, residual_slots, out
+        q=q,
+        fmt=fmt,
+        cache=cache,
+        residual_k=residual_k,
+        residual_v=residual_v,
+        block_tables=block_tables,
+        context_lens=context_lens,
+        residual_slots=residual_slots,
+        out=out,
     )
     check_tile_block_size(bs)
     B, Hq, _ = q.shape
@@ -243,34 +264,55 @@ def paged_decode_attention_triton(
         num_splits = default_num_splits(B * Hkv, block_tables.shape[1], q.device)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    quant = fmt in QUANT_FORMATS
-    if not quant:  # the kernel never reads these: any tensor will do as a placeholder
-        residual_k = residual_v = cache["k"]
-        residual_slots = block_tables
-    rk, rv = residual_k, residual_v
-    dk, sk, zk, dks, sks, kdiv = kv_args(fmt, cache, "k")
-    dv, sv, zv, dvs, svs, vdiv = kv_args(fmt, cache, "v")
+    k_args, v_args = kv_args(fmt, cache, "k"), kv_args(fmt, cache, "v")
     o_part = torch.empty((B, Hq, num_splits, D), dtype=torch.float32, device=q.device)
     lse = torch.empty((B, Hq, num_splits), dtype=torch.float32, device=q.device)
     block_d = max(16, triton.next_power_of_2(D))  # tl.dot needs K >= 16
-    window = NO_WINDOW if sliding_window is None else int(sliding_window)
     _decode_split_kernel[(B, Hkv, num_splits)](
-        q, q.stride(0), q.stride(1),
-        dk, sk, zk, *dks, *sks,
-        dv, sv, zv, *dvs, *svs,
-        rk, rv, *rk.stride()[:3], *rv.stride()[:3],
-        block_tables, block_tables.stride(0),
-        context_lens, residual_slots,
-        o_part, lse,
-        scale * math.log2(math.e), window, Hq, D,
-        FMT=fmt_code(fmt), QUANT=quant, K_DIV=kdiv, V_DIV=vdiv,
-        BS=bs, BLOCK_D=block_d, GROUP=group, GP=max(16, triton.next_power_of_2(group)),
+        q_ptr=q,
+        s_qb=q.stride(0),
+        s_qh=q.stride(1),
+        **k_args.kwargs("k"),
+        **v_args.kwargs("v"),
+        **residual_kwargs(
+            fmt,
+            cache,
+            residual_k=residual_k,
+            residual_v=residual_v,
+            residual_slots=residual_slots,
+            block_tables=block_tables,
+        ),
+        bt_ptr=block_tables,
+        s_btb=block_tables.stride(0),
+        ctx_ptr=context_lens,
+        o_ptr=o_part,
+        lse_ptr=lse,
+        qk_scale=scale * math.log2(math.e),
+        window=NO_WINDOW if sliding_window is None else int(sliding_window),
+        Hq=Hq,
+        D=D,
+        FMT=fmt_code(fmt),
+        QUANT=fmt in QUANT_FORMATS,
+        K_DIV=k_args.scale_div,
+        V_DIV=v_args.scale_div,
+        BS=bs,
+        BLOCK_D=block_d,
+        GROUP=group,
+        GP=max(16, triton.next_power_of_2(group)),
         NUM_SPLITS=num_splits,
-    )  # fmt: skip
+    )
     _merge_splits_kernel[(B, Hq)](
-        o_part, lse, out, out.stride(0), out.stride(1), Hq, D,
-        NUM_SPLITS=num_splits, SP=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
-    )  # fmt: skip
+        o_ptr=o_part,
+        lse_ptr=lse,
+        out_ptr=out,
+        s_ob=out.stride(0),
+        s_oh=out.stride(1),
+        Hq=Hq,
+        D=D,
+        NUM_SPLITS=num_splits,
+        SP=triton.next_power_of_2(num_splits),
+        BLOCK_D=block_d,
+    )
     return out
 
 
@@ -292,7 +334,16 @@ def paged_decode_attention(
     """Dispatch: the Triton kernel on CUDA, the torch twin elsewhere."""
     impl = paged_decode_attention_triton if q.is_cuda else paged_decode_attention_torch
     return impl(
-        q=q, fmt=fmt, cache=cache, residual_k=residual_k, residual_v=residual_v,
-        block_tables=block_tables, context_lens=context_lens, residual_slots=residual_slots,
-        scale=scale, sliding_window=sliding_window, num_splits=num_splits, out=out,
-    )  # fmt: skip
+        q=q,
+        fmt=fmt,
+        cache=cache,
+        residual_k=residual_k,
+        residual_v=residual_v,
+        block_tables=block_tables,
+        context_lens=context_lens,
+        residual_slots=residual_slots,
+        scale=scale,
+        sliding_window=sliding_window,
+        num_splits=num_splits,
+        out=out,
+    )

@@ -136,9 +136,7 @@ class PageLayout:
         """Full-precision tail pages of quantized formats: (layers, 2, slots, bs, Hkv, D), so
         one layer's K (or V) residual, ``residual[layer, 0]``, is a contiguous (slots, bs, Hkv,
         D) block."""
-        return (
-            self.num_layers, 2, num_slots, self.block_size, self.num_kv_heads, self.head_size
-        )  # fmt: skip
+        return (self.num_layers, 2, num_slots, self.block_size, self.num_kv_heads, self.head_size)
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:

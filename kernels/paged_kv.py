@@ -13,6 +13,8 @@ residual slot for quantized ones.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -104,28 +106,130 @@ def check_tile_block_size(bs: int) -> None:
         raise ValueError(f"the Triton attention kernels need block_size >= 16, got {bs}")
 
 
-def kv_args(
-    fmt: str, cache: dict[str, torch.Tensor], which: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, ...], tuple[int, ...], int]:
+def check_query(
+    q: torch.Tensor, out: torch.Tensor | None, *, num_kv_heads: int, head_size: int, rows: str
+) -> None:
+    """An attention kernel's query and output: q (rows, Hq, D) with Hq a multiple of the KV
+    heads, fp32/fp16/bf16, unit dim stride; ``out`` None or q's shape and dtype. ``rows``
+    names q's first axis in the message (B: one token per sequence, T: tokens of spans)."""
+    Hkv, D = num_kv_heads, head_size
+    if q.dim() != 3 or q.shape[2] != D or q.shape[1] % Hkv:
+        raise ValueError(
+            f"q must be ({rows}, Hq, {D}) with Hq a multiple of {Hkv}, got {tuple(q.shape)}"
+        )
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16) or q.stride(-1) != 1:
+        raise ValueError(
+            f"q must be fp32/fp16/bf16 with unit dim stride, got {q.dtype} strides {q.stride()}"
+        )
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1):
+        raise ValueError(
+            f"out must be {q.dtype} {tuple(q.shape)} with unit dim stride, "
+            f"got {out.dtype} {tuple(out.shape)} strides {out.stride()}"
+        )
+
+
+def check_seq_index(
+    fmt: str,
+    *,
+    num_seqs: int,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    residual_slots: torch.Tensor | None,
+) -> None:
+    """The per-sequence index tensors of an attention kernel: block_tables (S, P) int64,
+    context_lens (S,) int32/int64 and, for quantized formats, residual_slots (S,) int64."""
+    check_index(context_lens, "context_lens", (num_seqs,), (torch.int32, torch.int64))
+    check_index(block_tables, "block_tables", (num_seqs, None))
+    if fmt in QUANT_FORMATS:
+        check_index(residual_slots, "residual_slots", (num_seqs,))
+
+
+class KVArgs(NamedTuple):
+    """The kernel arguments of one layer's K or V: see ``kv_args``."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    data_strides: tuple[int, int, int]  # page, token, head (the dim stride is 1)
+    scale_strides: tuple[int, int, int, int]  # page, token, head, dim group; 0: absent dim
+    scale_div: int  # dim index -> scale index divisor (int4 V: the group size)
+
+    def kwargs(self, p: str) -> dict[str, torch.Tensor | int]:
+        """The tensors and strides as a kernel's keyword arguments, named after prefix
+        ``p``: ``{p}_ptr, {p}s_ptr, {p}z_ptr`` (data, scale, zero), ``s_{p}p, s_{p}t,
+        s_{p}h`` (data strides) and ``s_{p}sp, s_{p}st, s_{p}sh, s_{p}sd`` (scale strides).
+        Names, not positions: a kernel whose parameters are spelled otherwise fails to
+        launch instead of reading a stride as a pointer."""
+        sp, st, sh, sd = self.scale_strides
+        return {
+            f"{p}_ptr": self.data,
+            f"{p}s_ptr": self.scale,
+            f"{p}z_ptr": self.zero,
+            f"s_{p}p": self.data_strides[0],
+            f"s_{p}t": self.data_strides[1],
+            f"s_{p}h": self.data_strides[2],
+            f"s_{p}sp": sp,
+            f"s_{p}st": st,
+            f"s_{p}sh": sh,
+            f"s_{p}sd": sd,
+        }
+
+
+def kv_args(fmt: str, cache: dict[str, torch.Tensor], which: str) -> KVArgs:
     """Kernel arguments for K or V (``which`` = "k" or "v"): data, scale and zero tensors,
     data strides (page, token, head), scale strides (page, token, head, dim) and the scale's
     divisor of the dim index. Absent dims get stride 0, absent tensors the data tensor."""
     data = cache[which]
     ds = (data.stride(0), data.stride(1), data.stride(2))
     if fmt in FLOAT_FORMATS:
-        return data, data, data, ds, (0, 0, 0, 0), 1
+        return KVArgs(data, data, data, ds, (0, 0, 0, 0), 1)
     scale = cache[f"{which}_scale"]
     if fmt in ("fp8", "int8"):  # (P, bs, H): one scale per (token, head)
         ss = (scale.stride(0), scale.stride(1), scale.stride(2), 0)
-        return data, scale, scale, ds, ss, 1
+        return KVArgs(data, scale, scale, ds, ss, 1)
     zero = cache[f"{which}_zero"]
-    assert zero.stride() == scale.stride(), "scale and zero views must share strides"
+    if zero.stride() != scale.stride():
+        raise ValueError(
+            f"{which}_scale and {which}_zero views must share strides, "
+            f"got {scale.stride()} and {zero.stride()}"
+        )
     if which == "k":  # (P, H, D): per channel, shared by the page's tokens
         ss = (scale.stride(0), 0, scale.stride(1), scale.stride(2))
-        return data, scale, zero, ds, ss, 1
+        return KVArgs(data, scale, zero, ds, ss, 1)
     D = data.shape[3] * 2  # (P, bs, H, G): per token, groups along D
     ss = (scale.stride(0), scale.stride(1), scale.stride(2), scale.stride(3))
-    return data, scale, zero, ds, ss, int4_v_group(D)
+    return KVArgs(data, scale, zero, ds, ss, int4_v_group(D))
+
+
+def residual_kwargs(
+    fmt: str,
+    cache: dict[str, torch.Tensor],
+    *,
+    residual_k: torch.Tensor | None,
+    residual_v: torch.Tensor | None,
+    residual_slots: torch.Tensor | None,
+    block_tables: torch.Tensor,
+) -> dict[str, torch.Tensor | int]:
+    """An attention kernel's residual arguments by name: ``rk_ptr, rv_ptr`` (R, bs, Hkv, D),
+    their slot, token and head strides ``s_rkp .. s_rvh``, and ``rslot_ptr`` (S,) int64.
+
+    Float formats have no residual and the kernels never read these (QUANT is off), but
+    every pointer needs a tensor: the cache's K view and ``block_tables`` stand in."""
+    if fmt not in QUANT_FORMATS:
+        residual_k = residual_v = cache["k"]
+        residual_slots = block_tables
+    rk, rv = residual_k.stride(), residual_v.stride()
+    return dict(
+        rk_ptr=residual_k,
+        rv_ptr=residual_v,
+        s_rkp=rk[0],
+        s_rkt=rk[1],
+        s_rkh=rk[2],
+        s_rvp=rv[0],
+        s_rvt=rv[1],
+        s_rvh=rv[2],
+        rslot_ptr=residual_slots,
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,32 +27,42 @@ from kvmesh.kernels.paged_kv import (
     NO_WINDOW,
     check_cache,
     check_index,
+    check_query,
+    check_seq_index,
     check_tile_block_size,
     fmt_code,
     kv_args,
     load_kv_tile,
     online_softmax_step,
     read_pages_torch,
+    residual_kwargs,
 )
 
 
 def _check_prefill_args(
-    q, fmt, cache, residual_k, residual_v, cu_seqlens_q, context_lens, block_tables,
-    residual_slots, out,
-) -> tuple[int, int, int]:  # fmt: skip
+    *,
+    q,
+    fmt,
+    cache,
+    residual_k,
+    residual_v,
+    cu_seqlens_q,
+    context_lens,
+    block_tables,
+    residual_slots,
+    out,
+) -> tuple[int, int, int]:
     bs, Hkv, D = check_cache(fmt, cache, residual_k, residual_v)
-    if q.dim() != 3 or q.shape[2] != D or q.shape[1] % Hkv:
-        raise ValueError(f"q must be (T, Hq, {D}) with Hq a multiple of {Hkv}, got {q.shape}")
-    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16) or q.stride(-1) != 1:
-        raise ValueError(f"q must be fp32/fp16/bf16 with unit dim stride, got {q.dtype}")
+    check_query(q, out, num_kv_heads=Hkv, head_size=D, rows="T")
     S = context_lens.shape[0] if context_lens.dim() == 1 else -1
     check_index(cu_seqlens_q, "cu_seqlens_q", (S + 1,), (torch.int32, torch.int64))
-    check_index(context_lens, "context_lens", (S,), (torch.int32, torch.int64))
-    check_index(block_tables, "block_tables", (S, None))
-    if fmt in QUANT_FORMATS:
-        check_index(residual_slots, "residual_slots", (S,))
-    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1):
-        raise ValueError(f"out must be {q.dtype} {tuple(q.shape)}, got {out.dtype} {out.shape}")
+    check_seq_index(
+        fmt,
+        num_seqs=S,
+        block_tables=block_tables,
+        context_lens=context_lens,
+        residual_slots=residual_slots,
+    )
     return bs, Hkv, D
 
 
@@ -80,9 +90,17 @@ def paged_prefill_attention_torch(
     left as they are in ``out`` (zeros when out is None). ``max_query_len`` only matters to
     the Triton twin."""
     bs, Hkv, D = _check_prefill_args(
-        q, fmt, cache, residual_k, residual_v, cu_seqlens_q, context_lens, block_tables,
-        residual_slots, out,
-    )  # fmt: skip
+        q=q,
+        fmt=fmt,
+        cache=cache,
+        residual_k=residual_k,
+        residual_v=residual_v,
+        cu_seqlens_q=cu_seqlens_q,
+        context_lens=context_lens,
+        block_tables=block_tables,
+        residual_slots=residual_slots,
+        out=out,
+    )
     if out is None:
         out = torch.zeros_like(q)
     cu, ctxs = cu_seqlens_q.tolist(), context_lens.tolist()
@@ -222,9 +240,17 @@ def paged_prefill_attention_triton(
     """``paged_prefill_attention_torch``'s Triton twin. Pass ``max_query_len`` (the longest
     span) to avoid a device sync; ``block_m`` is the target rows per program."""
     bs, Hkv, D = _check_prefill_args(
-        q, fmt, cache, residual_k, residual_v, cu_seqlens_q, context_lens, block_tables,
-        residual_slots, out,
-    )  # fmt: skip
+        q=q,
+        fmt=fmt,
+        cache=cache,
+        residual_k=residual_k,
+        residual_v=residual_v,
+        cu_seqlens_q=cu_seqlens_q,
+        context_lens=context_lens,
+        block_tables=block_tables,
+        residual_slots=residual_slots,
+        out=out,
+    )
     check_tile_block_size(bs)
     if block_m < 16:
         raise ValueError(f"block_m must be >= 16 (tl.dot's M), got {block_m}")
@@ -240,27 +266,41 @@ def paged_prefill_attention_triton(
     group = q.shape[1] // Hkv
     gp = triton.next_power_of_2(group)
     block_q = max(1, block_m // gp)  # M = block_q * gp rows: >= 16 when block_m >= 16
-    quant = fmt in QUANT_FORMATS
-    if not quant:  # never read: placeholders
-        residual_k = residual_v = cache["k"]
-        residual_slots = context_lens
-    rk, rv = residual_k, residual_v
-    dk, sk, zk, dks, sks, kdiv = kv_args(fmt, cache, "k")
-    dv, sv, zv, dvs, svs, vdiv = kv_args(fmt, cache, "v")
-    window = NO_WINDOW if sliding_window is None else int(sliding_window)
-    grid = (S, triton.cdiv(max_query_len, block_q), Hkv)
-    _prefill_kernel[grid](
-        q, q.stride(0), q.stride(1),
-        out, out.stride(0), out.stride(1),
-        dk, sk, zk, *dks, *sks,
-        dv, sv, zv, *dvs, *svs,
-        rk, rv, *rk.stride()[:3], *rv.stride()[:3],
-        block_tables, block_tables.stride(0),
-        cu_seqlens_q, context_lens, residual_slots,
-        scale * math.log2(math.e), window, D,
-        FMT=fmt_code(fmt), QUANT=quant, K_DIV=kdiv, V_DIV=vdiv,
-        BS=bs, BLOCK_D=max(16, triton.next_power_of_2(D)), GROUP=group, GP=gp, BLOCK_Q=block_q,
-    )  # fmt: skip
+    k_args, v_args = kv_args(fmt, cache, "k"), kv_args(fmt, cache, "v")
+    _prefill_kernel[(S, triton.cdiv(max_query_len, block_q), Hkv)](
+        q_ptr=q,
+        s_qt=q.stride(0),
+        s_qh=q.stride(1),
+        out_ptr=out,
+        s_ot=out.stride(0),
+        s_oh=out.stride(1),
+        **k_args.kwargs("k"),
+        **v_args.kwargs("v"),
+        **residual_kwargs(
+            fmt,
+            cache,
+            residual_k=residual_k,
+            residual_v=residual_v,
+            residual_slots=residual_slots,
+            block_tables=block_tables,
+        ),
+        bt_ptr=block_tables,
+        s_bts=block_tables.stride(0),
+        cu_ptr=cu_seqlens_q,
+        ctx_ptr=context_lens,
+        qk_scale=scale * math.log2(math.e),
+        window=NO_WINDOW if sliding_window is None else int(sliding_window),
+        D=D,
+        FMT=fmt_code(fmt),
+        QUANT=fmt in QUANT_FORMATS,
+        K_DIV=k_args.scale_div,
+        V_DIV=v_args.scale_div,
+        BS=bs,
+        BLOCK_D=max(16, triton.next_power_of_2(D)),
+        GROUP=group,
+        GP=gp,
+        BLOCK_Q=block_q,
+    )
     return out
 
 
@@ -283,8 +323,17 @@ def paged_prefill_attention(
     """Dispatch: the Triton kernel on CUDA, the torch twin elsewhere."""
     impl = paged_prefill_attention_triton if q.is_cuda else paged_prefill_attention_torch
     return impl(
-        q=q, fmt=fmt, cache=cache, residual_k=residual_k, residual_v=residual_v,
-        cu_seqlens_q=cu_seqlens_q, context_lens=context_lens, block_tables=block_tables,
-        residual_slots=residual_slots, scale=scale, sliding_window=sliding_window,
-        max_query_len=max_query_len, out=out,
-    )  # fmt: skip
+        q=q,
+        fmt=fmt,
+        cache=cache,
+        residual_k=residual_k,
+        residual_v=residual_v,
+        cu_seqlens_q=cu_seqlens_q,
+        context_lens=context_lens,
+        block_tables=block_tables,
+        residual_slots=residual_slots,
+        scale=scale,
+        sliding_window=sliding_window,
+        max_query_len=max_query_len,
+        out=out,
+    )
