@@ -1,18 +1,15 @@
 """Linear layers with MKL-prepacked weights, for small batches on x86 CPUs.
 
-``F.linear`` repacks the weight matrix on every call. At decode batch sizes that packing
-dominates: on a 2-core AVX-512 machine a (32 x 576) @ (576 x 1536) product ran at ~55
-GFLOP/s through ``F.linear`` and at ~190-220 GFLOP/s with the weight packed once (MKL's
-packed SGEMM, which torch exposes as ``torch.ops.mkl``).
+``F.linear`` repacks the weight matrix on every call, and at decode batch sizes that packing
+dominates the product. MKL's packed SGEMM (``torch.ops.mkl``) packs the weight once.
 
 MKL's packed product is fast only when the row count equals the one the packing was made
-for (``pack_rows``, 32): with 16 or 48 rows it took as long as ``F.linear``, 3x slower than
-32 rows. So rows are padded with zeros to a multiple of 32 and multiplied 32 at a time (rows
-of a GEMM are independent: padding changes no row's result). Measured, (rows x 576) @
-(576 x 3072): 16 rows 1,257 -> 441 us, 48 rows 1,574 -> 963 us; the LM head (49,152 x 576)
-at 16 rows 26.9 -> 11.8 ms. From 16 rows up the results were bit-identical to ``F.linear``.
-Up to ``min_packed_rows`` (8; the single-sequence decode shape) and above
-``max_packed_rows`` (64; prefill chunks) ``F.linear`` is as fast or faster and runs instead.
+for (``pack_rows``, 32): at 16 or 48 rows it is no faster than ``F.linear``. So rows are
+padded with zeros to a multiple of 32 and multiplied 32 at a time (rows of a GEMM are
+independent: padding changes no row's result); from 16 rows up the results are
+bit-identical to ``F.linear``. Up to ``min_packed_rows`` (8; the single-sequence decode
+shape) and above ``max_packed_rows`` (64; prefill chunks) ``F.linear`` is as fast or faster
+and runs instead. What this gains, measured: docs/architecture.md, "Performance on CPU".
 
 The torch twin is ``F.linear`` itself: ``PackedLinear`` falls back to it when MKL is absent
 (ARM, non-MKL builds) and for dtypes other than float32.

@@ -141,9 +141,8 @@ def _quant_sym(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
 # per-token groups of 32 quantize with a finer step. Attention never needs V itself:
 # softmax(QK^T) (V H) = (softmax(QK^T) V) H, so the backend rotates new V before writing it
 # (pages and the residual alike) and rotates the attention output back (H H = I). Kernels
-# and the page layout are unchanged. SmolLM2, tinyshakespeare, 8 x 1024 tokens: int4
-# perplexity +1.12% without the rotation, +0.82% with it. Keys are left alone (their
-# per-channel scales already absorb outlier channels; rotating them measured no better).
+# and the page layout are unchanged. Keys are left alone: their per-channel scales already
+# absorb outlier channels. What each choice measured: docs/formats.md.
 INT4_V_ROTATION_FORMATS = ("int4",)
 
 
@@ -185,9 +184,8 @@ def _quant_int4_k(k: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 # Value groups shrink their [min, max] range about its middle by each of these factors and
 # keep the one with the least squared error (the first, on a tie): clipping a group's rare
-# extreme value buys a finer step for the other 31. Measured on SmolLM2 (tinyshakespeare,
-# 2 x 1024 tokens): +1.14% perplexity without the search, +0.62% with it. Keys keep their
-# full range: clipping them measured worse (+1.40%), outlier channels carry attention.
+# extreme value buys a finer step for the other 31. Keys keep their full range: their
+# outlier channels carry attention (measured: docs/formats.md).
 INT4_V_CLIP_STEPS = 6  # factors (20 - i) / 20: 1.0, 0.95, ..., 0.75
 
 
