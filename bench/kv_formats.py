@@ -67,9 +67,12 @@ def engine_rows(args) -> dict:
     rows: dict = {}
     for fmt in ENGINE_FORMATS:
         llm = LLM(
-            "smollm2-135m-instruct", kv_cache_dtype=fmt, kv_cache_memory="512MiB",
-            max_num_batched_tokens=256, enable_prefix_caching=False,
-        )  # fmt: skip
+            "smollm2-135m-instruct",
+            kv_cache_dtype=fmt,
+            kv_cache_memory="512MiB",
+            max_num_batched_tokens=256,
+            enable_prefix_caching=False,
+        )
         eng = llm.engine
         row: dict = {"bytes_per_token": eng.bytes_per_token, "bits_per_value": None}
         row["bits_per_value"] = eng.layout.bits_per_value

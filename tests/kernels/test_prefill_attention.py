@@ -23,10 +23,17 @@ def _prefill_case(fmt, Hq, Hkv, D, history, chunk, seed=0, bs=16, dtype=torch.fl
     q = torch.randn(int(cu[-1]), Hq, D, generator=torch.Generator().manual_seed(seed + 1))
     rk, rv = sim.residual_kv()
     args = dict(
-        q=q.to(dtype), fmt=fmt, cache=sim.views(), residual_k=rk, residual_v=rv,
-        cu_seqlens_q=cu, context_lens=ctx, block_tables=tables, residual_slots=slots,
+        q=q.to(dtype),
+        fmt=fmt,
+        cache=sim.views(),
+        residual_k=rk,
+        residual_v=rv,
+        cu_seqlens_q=cu,
+        context_lens=ctx,
+        block_tables=tables,
+        residual_slots=slots,
         scale=D**-0.5,
-    )  # fmt: skip
+    )
     return sim, args
 
 
@@ -85,8 +92,9 @@ def test_prefill_torch_twin_matches_dense_reference(fmt):
     for window in (None, 10):
         args["sliding_window"] = window
         got = paged_prefill_attention_torch(**args)
-        torch.testing.assert_close(got, _dense_prefill(sim, args, chunk, window).float(),
-                                   rtol=1e-4, atol=1e-4)  # fmt: skip
+        torch.testing.assert_close(
+            got, _dense_prefill(sim, args, chunk, window).float(), rtol=1e-4, atol=1e-4
+        )
 
 
 def test_prefill_leaves_rows_outside_spans_alone():
