@@ -21,11 +21,10 @@ on its next publish.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
-import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -34,6 +33,7 @@ from grpc_reflection.v1alpha import reflection
 from kvmesh.kvstore.hashing import hash_pages
 from kvmesh.protos.kvmesh.v1 import inference_pb2 as ipb
 from kvmesh.protos.kvmesh.v1 import inference_pb2_grpc as ipb_grpc
+from kvmesh.protos.serving import Drain, ServerThread, call_in_loop
 from kvmesh.router.core import EventRow, RouterCore, decode_events, encode_event
 from kvmesh.router.load import to_proto
 from kvmesh.router.policies import NoWorkerError
@@ -217,10 +217,9 @@ class RouterServer:
         self._serving: bool | None = None
         self._tasks: list[asyncio.Task] = []
         self._stopped: asyncio.Event | None = None
-        self._stop_task: asyncio.Future | None = None
-        self._drain_deadline = float("inf")
+        self._drain = Drain()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._thread = ServerThread("kvmesh-router")
 
     @property
     def address(self) -> str:
@@ -307,24 +306,14 @@ class RouterServer:
         Idempotent; a later call with a shorter grace ends the drain sooner."""
         if self._server is None:
             return
-        loop = asyncio.get_running_loop()
-        grace = self.grace_s if grace is None else grace
-        self._drain_deadline = min(self._drain_deadline, loop.time() + grace)
-        if self._stop_task is None:
-            self._stop_task = asyncio.ensure_future(self._drain_and_stop())
-        await asyncio.shield(self._stop_task)
+        await self._drain.stop(self.grace_s if grace is None else grace, self._drain_and_stop)
 
     async def _drain_and_stop(self) -> None:
-        loop = asyncio.get_running_loop()
         self.draining = True
         await self._health.enter_graceful_shutdown()
         logger.info("router draining: %d in-flight streams", len(self.inflight))
-        pending = [t for t in self.inflight if not t.done()]
-        while pending and (left := self._drain_deadline - loop.time()) > 0:
-            await asyncio.wait(pending, timeout=min(left, 0.1))
-            pending = [t for t in pending if not t.done()]
-        # one grpc stop, never two overlapping (see worker/server.py)
-        await self._server.stop(None)
+        await self._drain.wait_for(self.inflight)
+        await self._server.stop(None)  # once, after the drain (protos.serving.Drain)
         for t in self._tasks:
             t.cancel()
         for _, ch, _ in self._channels.values():
@@ -341,52 +330,14 @@ class RouterServer:
 
     def start_in_thread(self) -> int:
         """Serve from a background thread with its own uvloop event loop; returns the port."""
-        import uvloop
-
-        started = threading.Event()
-        box: list = []
-
-        def run() -> None:
-            loop = uvloop.new_event_loop()
-            asyncio.set_event_loop(loop)
-            try:
-                box.append(loop.run_until_complete(self.start()))
-            except BaseException as e:
-                box.append(e)
-                loop.close()
-                started.set()
-                return
-            started.set()
-            loop.run_until_complete(self.wait_for_termination())
-            loop.run_until_complete(loop.shutdown_default_executor())
-            loop.close()
-
-        self._thread = threading.Thread(target=run, name="kvmesh-router", daemon=True)
-        self._thread.start()
-        started.wait()
-        if isinstance(box[0], BaseException):
-            raise box[0]
-        return box[0]
+        return self._thread.start(self.start, self.wait_for_termination)
 
     def stop_in_thread(self, grace: float | None = None, timeout: float = 60.0) -> None:
-        if self._loop is None or self._thread is None or not self._thread.is_alive():
-            return
-        fut = asyncio.run_coroutine_threadsafe(self.stop(grace), self._loop)
-        fut.result(timeout)
-        self._thread.join(timeout)
+        self._thread.stop(partial(self.stop, grace), timeout)
 
     def call(self, fn: Callable, *args, timeout: float = 30.0, **kwargs):
         """Run ``fn(*args, **kwargs)`` on the server's loop (where the core lives) and return
         its result; exceptions are re-raised here."""
         if self._loop is None:
             raise RuntimeError("the router server is not running")
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-
-        def run() -> None:
-            try:
-                fut.set_result(fn(*args, **kwargs))
-            except BaseException as e:  # handed back to the calling thread
-                fut.set_exception(e)
-
-        self._loop.call_soon_threadsafe(run)
-        return fut.result(timeout)
+        return call_in_loop(self._loop, fn, *args, timeout=timeout, **kwargs)
