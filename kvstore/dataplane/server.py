@@ -38,7 +38,7 @@ from kvmesh.kvstore.dataplane.sockets import recv_into, send_all, set_timeout, s
 from kvmesh.kvstore.hashing import PAGE_HASH_BYTES
 
 if TYPE_CHECKING:
-    from kvmesh.kvstore.peer import PageSource
+    from kvmesh.kvstore.peer.source import PageSource
 
 logger = logging.getLogger(__name__)
 
