@@ -1,10 +1,15 @@
 """``make run``: a local kvmesh cluster (two workers, the default model) and a short
 multi-tenant demo through the client SDK.
 
-Four tenants each have a long system prompt that all of their users share. The same
-requests run once per routing policy (caches emptied in between); each request prints the
-worker that served it, its cached prompt tokens and its time to first token, and each policy
-its totals. Then the cluster keeps serving until Ctrl-C.
+Six tenants each have a long system prompt that all of their users share, and each worker's
+KV cache is sized to hold about four of them: more tenants than one worker holds, fewer than
+the two hold together. The same requests run once per routing policy (caches emptied in
+between). round_robin sends every tenant to every worker, so each cache churns through all
+six prompts and keeps recomputing them; prefix_affinity keeps each tenant on one worker, so
+each cache holds its three and only the users' questions are computed. Each request prints
+the worker that served it, its cached prompt tokens by tier and its time to first token;
+each policy its totals; then the comparison and why. Then the cluster keeps serving until
+Ctrl-C.
 
     python -m kvmesh.cluster.demo [--workers 2] [--port 50051] [--no-wait]
 """
@@ -39,12 +44,22 @@ TENANTS = {
         "You are the patient-services assistant of Umbrella Health.",
         ["appointments", "prescriptions", "test results", "billing", "insurance", "visits"],
     ),
+    "hooli-cloud": (
+        "You are the customer-success assistant of Hooli Cloud.",
+        ["billing", "outages", "storage quotas", "API keys", "data export", "support plans"],
+    ),
+    "wonka-foods": (
+        "You are the consumer-care assistant of Wonka Foods.",
+        ["allergens", "recalls", "deliveries", "gift boxes", "factory tours", "complaints"],
+    ),
 }
 QUESTIONS = [
     "How do I get started?",
     "What does it cost, in one sentence?",
     "Who do I call if something goes wrong?",
     "Can you summarise your rules?",
+    "What are your opening hours?",
+    "Is my data safe with you?",
 ]
 RULES = [
     "Answer questions about {topic} politely, in at most three sentences.",
@@ -123,14 +138,47 @@ def run_policy(client, requests: list, *, concurrency: int, max_tokens: int) -> 
 def summarize(results: list[Result], wall: float) -> dict:
     ttfts = sorted(r.ttft_s for r in results)
     prompt = sum(r.prompt_tokens for r in results)
+    tenants_at: dict[str, set] = {}
+    for r in results:
+        tenants_at.setdefault(r.worker, set()).add(r.tenant)
     return {
         "requests": len(results),
         "cached_fraction": sum(r.cached_tokens for r in results) / prompt,
+        # served from the worker's own cache, not pulled from the other worker
+        "own_cache_fraction": sum(r.by_tier.get("device", 0) for r in results) / prompt,
         "ttft_mean_s": statistics.fmean(ttfts),
         "ttft_p50_s": statistics.median(ttfts),
+        "ttft_max_s": ttfts[-1],
         "wall_s": wall,
         "requests_per_s": len(results) / wall,
+        "tenants_per_worker": sorted(len(t) for t in tenants_at.values()),
     }
+
+
+def explain(totals: dict, *, tenants: int, tenant_tokens: int, cache_tokens: int) -> list[str]:
+    """Why the policies differ, in the run's own numbers."""
+    fits = cache_tokens // tenant_tokens
+    lines = [
+        f"Why: each worker's KV cache holds {cache_tokens:,} tokens, about {fits} of the "
+        f"{tenants} tenants' system prompts ({tenant_tokens:,} tokens each).",
+    ]
+    for policy, t in totals.items():
+        per = t["tenants_per_worker"]
+        need = max(per) * tenant_tokens
+        verdict = "fits" if need <= cache_tokens else "does not fit: the cache keeps evicting"
+        lines.append(
+            f"  {policy}: tenants per worker {per} -> up to {need:,} tokens of prompts per "
+            f"cache ({verdict}); {t['own_cache_fraction']:.0%} of prompt tokens came from the "
+            f"worker's own cache, {1 - t['cached_fraction']:.0%} were computed"
+        )
+    if {"round_robin", "prefix_affinity"} <= totals.keys():
+        rr, pa = totals["round_robin"], totals["prefix_affinity"]
+        lines.append(
+            f"prefix_affinity vs round_robin: {pa['requests_per_s'] / rr['requests_per_s']:.2f}x "
+            f"throughput, {pa['ttft_mean_s'] / rr['ttft_mean_s']:.2f}x mean TTFT, "
+            f"{pa['ttft_p50_s'] / rr['ttft_p50_s']:.2f}x p50 TTFT"
+        )
+    return lines
 
 
 def _port_free(port: int) -> bool:
@@ -147,9 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--port", type=int, default=50051, help="router port (a free one if busy)")
     p.add_argument("--policies", default="round_robin,prefix_affinity")
-    p.add_argument("--concurrency", type=int, default=2, help="requests in flight")
+    p.add_argument("--concurrency", type=int, default=4, help="requests in flight")
     p.add_argument("--max-tokens", type=int, default=8)
-    p.add_argument("--kv-cache-memory", default="256MiB", help="per worker")
+    p.add_argument(
+        "--kv-cache-memory", default="128MiB", help="per worker (about four tenants' prompts)"
+    )
     p.add_argument("--no-wait", action="store_true", help="stop after the demo")
     a = p.parse_args(argv)
 
@@ -171,11 +221,16 @@ def main(argv: list[str] | None = None) -> int:
     tok = Tokenizer.load(src, model_fingerprint(src))
     # every user of a tenant shares the tenant's system prompt; users arrive interleaved
     requests = []
+    shared = []  # per tenant: the prompt tokens its users share (system prompt and template)
     for name, (intro, topics) in TENANTS.items():
         sys_prompt = system_prompt(intro, topics)
+        texts = []
         for u, q in enumerate(QUESTIONS):
             messages = [{"role": "system", "content": sys_prompt}, {"role": "user", "content": q}]
-            requests.append((name, u, tok.apply_chat_template(messages)))
+            texts.append(tok.apply_chat_template(messages))
+            requests.append((name, u, texts[-1]))
+        a_ids, b_ids = tok.encode(texts[0]), tok.encode(texts[1])
+        shared.append(next(i for i, (x, y) in enumerate(zip(a_ids, b_ids)) if x != y))
     random.Random(7).shuffle(requests)
 
     print(f"starting a local Ray cluster: {a.workers} workers ({DEFAULT_MODEL}) + router ...",
@@ -186,8 +241,13 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         cluster = Cluster.start(cfg)
         print(f"cluster up in {time.perf_counter() - t0:.0f}s; router at {cluster.endpoint}\n")
+        st = cluster.stats()
+        cache_tokens = min(w["load"]["num_pages"] for w in st["workers"].values())
+        cache_tokens *= st["block_size"]
         totals = {}
         with Client(cluster.endpoint, timeout=300) as client:
+            for w in range(a.workers):  # first-call costs (kernel builds) off the clock
+                client.generate_text(f"Warm-up {w}.", max_tokens=2)
             for policy in policies:
                 cluster.reset_prefix_caches()
                 cluster.set_policy(policy)
@@ -198,12 +258,21 @@ def main(argv: list[str] | None = None) -> int:
                 totals[policy] = summarize(results, wall)
                 print()
         print(f"{'policy':16s} {'cached':>8s} {'TTFT mean':>10s} {'TTFT p50':>9s} "
-              f"{'wall':>7s} {'req/s':>6s}")  # fmt: skip
+              f"{'TTFT max':>9s} {'wall':>7s} {'req/s':>6s}")  # fmt: skip
         for policy, t in totals.items():
             print(
                 f"{policy:16s} {t['cached_fraction']:8.1%} {t['ttft_mean_s'] * 1000:8.0f}ms "
-                f"{t['ttft_p50_s'] * 1000:7.0f}ms {t['wall_s']:6.1f}s {t['requests_per_s']:6.2f}"
+                f"{t['ttft_p50_s'] * 1000:7.0f}ms {t['ttft_max_s'] * 1000:7.0f}ms "
+                f"{t['wall_s']:6.1f}s {t['requests_per_s']:6.2f}"
             )
+        print()
+        lines = explain(
+            totals,
+            tenants=len(TENANTS),
+            tenant_tokens=round(statistics.fmean(shared)),
+            cache_tokens=cache_tokens,
+        )
+        print("\n".join(lines), flush=True)
         if a.no_wait:
             return 0
         stop = threading.Event()

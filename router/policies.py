@@ -40,10 +40,14 @@ class CostModel:
       (docs/router.md) 1.0 gave 79.5% of the shared-cache bound and 0.1 gives 98%, with mean
       and p50 TTFT no worse; the load guard (on unweighted load) still keeps a hot worker
       from being piled on.
-    - ``idle_queue_weight`` 1.0: the weight of queued work instead, while some candidate is
-      idle (nothing queued, nothing running). Then the wait buys nothing: a worker could
-      start the request now, and its time left idle is lost for good. So a busy worker keeps
-      a request only when its cache saves more than the queue the request would wait behind.
+    - ``idle_queue_weight`` 0.5: the weight of queued work instead, while some candidate is
+      idle (nothing queued, nothing running). Then waiting buys nothing: a worker could start
+      the request now. Moving there still has a price: the request's TTFT pays the recompute
+      once and the cluster pays it again as work (and as duplicated pages), while the queue
+      costs only the TTFT. So a busy worker keeps the request while its queue is shorter than
+      twice what its cache saves. (At 1.0, a burst of one tenant's requests split across
+      workers at once, each recomputing the same prefix, when waiting one prefill for the
+      first of them would have cost the same TTFT.)
     The trace simulator's profiles replace the tier and decode prices with measured values.
     """
 
@@ -52,7 +56,7 @@ class CostModel:
     peer_cost: float = 0.5
     decode_cost: float = 8.0
     queue_weight: float = 0.1
-    idle_queue_weight: float = 1.0
+    idle_queue_weight: float = 0.5
 
     def __post_init__(self) -> None:
         for name in ("host_cost", "redis_cost", "peer_cost"):
@@ -99,8 +103,11 @@ class CostModel:
         return load.queued_prefill_tokens + self.decode_cost * load.running
 
     def weight(self, min_load: float) -> float:
-        """What one token of queued work counts, given the least-loaded candidate's load."""
-        return self.idle_queue_weight if min_load <= 0 else self.queue_weight
+        """What one token of queued work counts, given the least-loaded candidate's load (an
+        idle candidate never makes a queue count less)."""
+        if min_load <= 0:
+            return max(self.queue_weight, self.idle_queue_weight)
+        return self.queue_weight
 
 
 @dataclass(frozen=True)
@@ -304,7 +311,7 @@ class PrefixAffinity(RoutingPolicy):
     """The worker with the least expected work for this request, among those not overloaded.
 
     Expected work = prompt tokens no tier has + tier-priced fetched tokens + weighted queued
-    load (``CostModel.weight``: in full while another candidate is idle; the guard judges the
+    load (``CostModel.weight``: heavier while another candidate is idle; the guard judges the
     unweighted load). A session key sticks to the worker it last went to while that worker is
     not overloaded; the table keeps the ``max_sessions`` most recent keys.
     """
