@@ -51,6 +51,10 @@ class HostTier(Tier):
             "errors": 0,
         }
 
+    def set_evict_listener(self, listener: EvictCallback | None) -> None:
+        """Register the one write-back listener (as the ``on_evict`` argument does)."""
+        self.on_evict = listener
+
     @property
     def budget_bytes(self) -> int:
         return self._budget
@@ -67,16 +71,16 @@ class HostTier(Tier):
         with self._lock:
             return [h in self._objects for h in hashes]
 
-    def touch(self, hashes: Sequence[bytes]) -> list[bool]:
-        """Which pages are held; those that are become the most recently used (as a put of
+    def refresh(self, hashes: Sequence[bytes]) -> list[bool]:
+        """Which pages are stored; those that are become the most recently used (as a put of
         the same object would make them), without counting a read."""
         out: list[bool] = []
         with self._lock:
             for h in hashes:
-                held = h in self._objects
-                if held:
+                stored = h in self._objects
+                if stored:
                     self._objects.move_to_end(h)
-                out.append(held)
+                out.append(stored)
         return out
 
     def get(self, hashes: Sequence[bytes]) -> list[bytes | None]:

@@ -6,6 +6,11 @@ Reads walk the tiers in order and ask each only for what the tiers above it miss
 batch per tier. The store validates every object with the codec: an object that fails is a
 miss, is deleted from the tier that held it, and is counted, so a reader never sees foreign
 or corrupted KV.
+
+With an ``EventLog``, the store reports what enters and leaves its host and Redis tiers as
+block events (tier-tagged, on the engine's sequence numbers), so the router's prefix index
+credits those pages too. Redis may drop keys by its own LRU unseen: the router treats its
+Redis entries as hints.
 """
 
 from __future__ import annotations
@@ -22,10 +27,15 @@ from kvmesh.kvstore.codec import (
     encode,
     max_object_bytes,
 )
+from kvmesh.kvstore.events import EventLog
 from kvmesh.kvstore.host import HostTier
 from kvmesh.kvstore.tier import Tier
 
 logger = logging.getLogger(__name__)
+
+# tiers whose contents the store reports as block events; a peer tier is another worker's,
+# which that worker reports itself
+REPORTED_TIERS = frozenset({"host", "redis"})
 
 
 class TieredStore:
@@ -35,7 +45,9 @@ class TieredStore:
     are, and the store's own counters are under a lock.
     """
 
-    def __init__(self, spec: PageSpec, tiers: Sequence[Tier]) -> None:
+    def __init__(
+        self, spec: PageSpec, tiers: Sequence[Tier], *, events: EventLog | None = None
+    ) -> None:
         if not tiers:
             raise ValueError("a TieredStore needs at least one tier")
         names = [t.name for t in tiers]
@@ -43,6 +55,7 @@ class TieredStore:
             raise ValueError(f"tier names must be unique (they label metrics), got {names}")
         self.spec = spec
         self.tiers = list(tiers)
+        self.events = events
         # A tier that receives objects from the network (PeerTier) refuses any longer than
         # this store's pages can be, before allocating for them.
         bound = max_object_bytes(spec)
@@ -51,8 +64,8 @@ class TieredStore:
             if isinstance(limit, int) and limit > bound:
                 t.max_page_bytes = bound
         first = self.tiers[0]
-        if isinstance(first, HostTier) and len(self.tiers) > 1 and first.on_evict is None:
-            first.on_evict = self.tiers[1].put  # write-back: host victims spill one tier down
+        if isinstance(first, HostTier) and first.on_evict is None:
+            first.set_evict_listener(self._write_back)  # host victims spill one tier down
         self._lock = threading.Lock()
         self._counts = {
             t.name: {"hits": 0, "misses": 0, "corrupt": 0, "bytes": 0} for t in self.tiers
@@ -61,7 +74,31 @@ class TieredStore:
     def put(self, items: Sequence[tuple[bytes, Buffer]]) -> None:
         """Encode each ``(hash, payload)`` once and store it in the first tier."""
         if items:
-            self.tiers[0].put([(h, encode(self.spec, payload)) for h, payload in items])
+            self.put_encoded([(h, encode(self.spec, payload)) for h, payload in items])
+
+    def put_encoded(self, items: Sequence[tuple[bytes, bytes]]) -> None:
+        """Store ``(hash, object)`` pairs already encoded (and validated) for this store's
+        spec in the first tier."""
+        if items:
+            first = self.tiers[0]
+            first.put(items)
+            self._report(first, stored=[h for h, _ in items])
+
+    def _write_back(self, victims: list[tuple[bytes, bytes]]) -> None:
+        """A HostTier first in line evicted these by its budget: the next tier takes them."""
+        hashes = [h for h, _ in victims]
+        self._report(self.tiers[0], removed=hashes)
+        if len(self.tiers) > 1:
+            self.tiers[1].put(victims)
+            self._report(self.tiers[1], stored=hashes)
+
+    def _report(self, tier: Tier, stored: Sequence[bytes] = (), removed: Sequence[bytes] = ()):
+        if self.events is None or tier.name not in REPORTED_TIERS:
+            return
+        if removed:
+            self.events.removed_from_tier(tier.name, removed)
+        if stored:
+            self.events.stored_in_tier(tier.name, stored)
 
     def lookup(self, hashes: Sequence[bytes]) -> list[str]:
         """Tier names of the longest run of pages, from the first, that some tier holds.
@@ -123,6 +160,7 @@ class TieredStore:
                 n_bytes += payload.nbytes
             if bad:
                 tier.evict(bad)
+                self._report(tier, removed=bad)
             with self._lock:
                 c = self._counts[tier.name]
                 c["hits"] += len(pending) - len(still)
@@ -136,6 +174,7 @@ class TieredStore:
         """Drop these pages from every tier."""
         for tier in self.tiers:
             tier.evict(hashes)
+            self._report(tier, removed=hashes)
 
     def metrics(self) -> dict[str, dict[str, int]]:
         """Per tier: ``hits``, ``misses`` (pages asked of it by ``get``), ``corrupt`` (objects

@@ -67,7 +67,7 @@ class CacheConfig:
     kv_cache_memory: int = 1024**3
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
-    num_blocks_override: int | None = None  # tests: an exact pool size
+    num_pages: int | None = None  # tests: an exact pool size
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -77,8 +77,10 @@ class CacheConfig:
                 f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; accepted: "
                 f"{', '.join(KV_CACHE_DTYPES)}"
             )
-        if self.num_blocks_override is not None and self.num_blocks_override < 2:
-            raise ValueError("num_blocks must be >= 2 (block 0 is the reserved null page)")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ValueError(
+                f"num_pages must be >= 2 (page 0 is the reserved null page), got {self.num_pages}"
+            )
         if self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0, got {self.kv_cache_memory}")
 

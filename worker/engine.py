@@ -1,4 +1,10 @@
-"""The engine on one accelerator: schedule -> run -> postprocess, and the offline ``LLM`` API."""
+"""The engine on one accelerator: schedule -> run -> postprocess.
+
+``LLMEngine`` wires the parts together: the model (worker/models), the device memory of the
+page pool (kv_memory.py), the page bookkeeping (kv_cache.py), the scheduler, the model
+runner, the sampler, the KV connector to the tiers below the device (kv_connector.py), and
+the output processor. The offline ``LLM`` API is in llm.py.
+"""
 
 from __future__ import annotations
 
@@ -11,36 +17,31 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmesh.kernels.page_format import (
-    PageLayout,
-    read_pages,
-    resolve_format,
-    write_page_buffers,
-)
+from kvmesh.kernels.page_format import PageLayout
 from kvmesh.kvstore.codec import PageSpec
 from kvmesh.kvstore.events import EventLog
-from kvmesh.kvstore.host import HostTier
 from kvmesh.kvstore.store import TieredStore
 from kvmesh.kvstore.tier import Tier
 from kvmesh.worker import envs
-from kvmesh.worker.attention import LayerCache, default_backend_name, get_backend
+from kvmesh.worker.attention import default_backend_name, get_backend
 from kvmesh.worker.config import CacheConfig, SchedulerConfig, parse_size, resolve_dtype
 from kvmesh.worker.kv_cache import KVCacheManager
+from kvmesh.worker.kv_connector import KVConnector, make_store
+from kvmesh.worker.kv_memory import KVMemory
 from kvmesh.worker.model_runner import ModelRunner
-from kvmesh.worker.models.llama import LlamaForCausalLM, rope_inv_freq
+from kvmesh.worker.models.llama import build_model
 from kvmesh.worker.models.loader import (
     DEFAULT_MODEL,
     load_config,
-    load_weights,
     model_fingerprint,
     resolve_model,
 )
-from kvmesh.worker.offload import KVOffloader
+from kvmesh.worker.output_processor import OutputProcessor
 from kvmesh.worker.outputs import RequestOutput
 from kvmesh.worker.request import Request, RequestStatus
 from kvmesh.worker.sampler import sample
 from kvmesh.worker.sampling_params import SamplingParams
-from kvmesh.worker.scheduler import Scheduler
+from kvmesh.worker.scheduler import Scheduler, SchedulerOutput
 from kvmesh.worker.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger("kvmesh.engine")
@@ -51,7 +52,7 @@ Prompt = str | Sequence[int]
 @dataclass
 class EngineStats:
     num_requests_running: int
-    num_requests_waiting: int
+    num_requests_waiting: int  # PROMOTING requests included
     kv_cache_usage_perc: float
     num_pages: int
     num_free_pages: int
@@ -64,6 +65,10 @@ class EngineStats:
     tokens_computed: int
     num_preemptions: int
     queued_prefill_tokens: int
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at ``max_waiting``; retry later (gRPC: RESOURCE_EXHAUSTED)."""
 
 
 class LLMEngine:
@@ -103,77 +108,51 @@ class LLMEngine:
             kv_cache_memory=parse_size(kv_cache_memory),
             kv_cache_dtype=kv_cache_dtype,
             enable_prefix_caching=enable_prefix_caching,
-            num_blocks_override=num_pages,
+            num_pages=num_pages,
         )
+        host_bytes = parse_size(host_cache_memory) if host_cache_memory is not None else None
         t0 = time.monotonic()
         self.model_config = cfg = load_config(self.src)
         self.model_fp = model_fingerprint(self.src)
         self.tokenizer = Tokenizer.load(self.src, self.model_fp)
-        with torch.device("meta"):
-            model_mod = LlamaForCausalLM(cfg)
-        model_mod = model_mod.to_empty(device=self.device).to(self.dtype)
-        # buffers made on the meta device hold garbage after to_empty; rope stays float32
-        model_mod.model.rotary_emb.inv_freq = rope_inv_freq(cfg).to(self.device)
-        if cfg.tie_word_embeddings:
-            model_mod.lm_head.weight = model_mod.model.embed_tokens.weight
-        load_weights(model_mod, self.src, self.dtype)
-        model_mod.fuse_projections()
-        self.model = model_mod.eval()
+        self.model = build_model(cfg, self.src, self.dtype, self.device)
 
-        # page pool sized from the byte budget: one page-major uint8 buffer (page_format)
-        bs = block_size
-        self.cache_format = resolve_format(kv_cache_dtype, self.dtype)
-        _check_format_supported(self.cache_format, self.device)
-        self.layout = layout = PageLayout(
-            self.cache_format, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, bs
+        self.memory = KVMemory.for_model(
+            cfg,
+            self.model_fp,
+            kv_cache_dtype=kv_cache_dtype,
+            dtype=self.dtype,
+            device=self.device,
+            block_size=block_size,
+            kv_cache_memory=self.cache_config.kv_cache_memory,
+            num_pages=num_pages,
+            max_num_seqs=max_num_seqs,
         )
-        self.bytes_per_token = layout.bytes_per_token
-        n_pages = num_pages or self.cache_config.kv_cache_memory // layout.page_nbytes
-        if n_pages < 2:
-            raise ValueError(
-                f"kv_cache_memory={kv_cache_memory!r} holds {n_pages} pages of "
-                f"{layout.page_nbytes} bytes; at least 2 are needed"
-            )
-        self.kv_buffer = layout.allocate(n_pages, self.device)  # (n_pages, page_nbytes)
-        # quantized formats: one full-precision tail page per running request, outside the
-        # kv_cache_memory budget (like activations): (layers, 2, slots, bs, Hkv, D)
-        n_slots = max_num_seqs if layout.quantized else 0
-        self.residual = torch.zeros(
-            layout.residual_shape(n_slots), dtype=self.dtype, device=self.device
-        )
-        self.layer_caches = [
-            LayerCache(
-                self.cache_format,
-                layout.views(self.kv_buffer, i),
-                self.residual[i, 0] if n_slots else None,
-                self.residual[i, 1] if n_slots else None,
-            )
-            for i in range(cfg.num_layers)
-        ]
-
-        capacity = (n_pages - 1) * bs
-        limit = max_model_len or cfg.max_position_embeddings
-        if limit > capacity:
-            if max_model_len:
-                logger.warning(
-                    "max_model_len %d exceeds the KV cache (%d tokens); lowering it",
-                    limit,
-                    capacity,
-                )
-            limit = capacity
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=min(limit, cfg.max_position_embeddings),
+            max_model_len=self._settle_max_model_len(max_model_len),
             max_waiting=max_waiting,
         )
         self.engine_id = engine_id or uuid.uuid4().hex[:12]
         self.events = EventLog(self.engine_id)
-        self.kv = KVCacheManager(n_pages, bs, self.events, enable_prefix_caching, n_slots)
-        self.scheduler = Scheduler(self.scheduler_config, self.kv)
+        n_slots = self.memory.num_residual_slots
+        self.kv = KVCacheManager(
+            self.memory.num_pages, block_size, self.events, enable_prefix_caching, n_slots
+        )
+        store = make_store(
+            self.page_spec,
+            self.events,
+            host_cache_memory=host_bytes,
+            redis_url=redis_url,
+            redis_ttl_s=redis_ttl_s,
+            extra_tiers=extra_tiers,
+        )
+        self.connector = KVConnector(self.kv, self.memory, store)
+        self.scheduler = Scheduler(self.scheduler_config, self.kv, self.connector)
         backend_name = attention_backend or default_backend_name(self.device.type)
         self.backend = get_backend(backend_name, sliding_window=cfg.sliding_window)
-        if backend_name == "cpu" and not layout.quantized:
+        if backend_name == "cpu" and not self.layout.quantized:
             # the C kernels serve the model's elementwise ops too. Not under quantized
             # caches: their RMSNorm and SiLU round differently from torch's in the last bit,
             # which int4 can turn into a different code, and quantized outputs are held to
@@ -182,150 +161,101 @@ class LLMEngine:
 
             self.model.cpu_kernels = cpu_kernels.load()
         self.runner = ModelRunner(
-            self.model, self.layer_caches, self.kv, self.backend, self.device, n_slots
+            self.model, self.memory.layer_caches, self.kv, self.backend, self.device, n_slots
+        )
+        self.output_processor = OutputProcessor(
+            self.eos_token_ids, self.max_model_len, self.connector.tier_names()
         )
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
-        # finished loads waiting for room in the pool: (LoadResult, steps deferred so far)
-        self._pending_loads: list = []
-        self.store, self.offloader = self._make_store(
-            host_cache_memory, redis_url, redis_ttl_s, extra_tiers
-        )
-        if self.store is not None:  # spill evicted pages down the tiers
-            self.kv.pool.on_evict = self.offloader.on_evict
-        self.scheduler.park = self._park
         self.driver = None  # the AsyncEngine whose thread steps this engine, if any
         logger.info(
             "engine %s: model %s (%s, %d layers) on %s, %d pages of %d tokens (%s, %.0f MiB), "
             "max_model_len %d, loaded in %.1fs",
-            self.engine_id, self.src.name, cfg.architecture, cfg.num_layers, self.device,
-            n_pages, bs, self.cache_format, self.kv_buffer.numel() / 2**20,
-            self.scheduler_config.max_model_len, time.monotonic() - t0,
-        )  # fmt: skip
+            self.engine_id,
+            self.src.name,
+            cfg.architecture,
+            cfg.num_layers,
+            self.device,
+            self.memory.num_pages,
+            block_size,
+            self.cache_format,
+            self.memory.nbytes / 2**20,
+            self.max_model_len,
+            time.monotonic() - t0,
+        )
 
-    def _make_store(self, host_cache_memory, redis_url, redis_ttl_s, extra_tiers):
-        tiers: list[Tier] = []
-        if host_cache_memory is not None:
-            tiers.append(HostTier(parse_size(host_cache_memory)))
-        if redis_url:
-            from kvmesh.kvstore.redis_tier import RedisTier  # redis-py only when used
-
-            tiers.append(
-                RedisTier(
-                    redis_url, model_fp=self.model_fp, cache_format=self.cache_format,
-                    ttl_s=redis_ttl_s,
+    def _settle_max_model_len(self, asked: int | None) -> int:
+        """The model's context, or ``asked``, within what the pool can hold."""
+        capacity = (self.memory.num_pages - 1) * self.cache_config.block_size
+        limit = asked or self.model_config.max_position_embeddings
+        if limit > capacity:
+            if asked:
+                logger.warning(
+                    "max_model_len %d exceeds the KV cache (%d tokens); lowering it",
+                    limit,
+                    capacity,
                 )
-            )  # fmt: skip
-        tiers += list(extra_tiers)
-        store = None
-        if tiers:
-            store = TieredStore(self.page_spec, tiers)
-            logger.info("tiered store: %s", " -> ".join(["device"] + [t.name for t in tiers]))
-        # even without tiers: a request may name peers that hold its pages (router hints)
-        return store, KVOffloader(store, self.page_spec)
+            limit = capacity
+        return min(limit, self.model_config.max_position_embeddings)
 
-    @property
-    def page_spec(self) -> PageSpec:
-        """What a stored page object of this engine must say about itself (kvstore.codec)."""
-        lay = self.layout
-        return PageSpec(
-            self.model_fp, self.cache_format, lay.num_layers, lay.num_kv_heads, lay.head_size,
-            lay.block_size, lay.page_nbytes,
-        )  # fmt: skip
-
-    def read_cached_pages(self, hashes: Sequence[bytes]) -> list[bytes | None]:
-        """Payload bytes of the device's cached pages by hash (None where not cached). Call on
-        the engine thread: the copy is taken before any later step can reuse a slot."""
-        ids = [p.page_id if (p := self.kv.pool.lookup(h)) else -1 for h in hashes]
-        hit = [i for i in ids if i >= 0]
-        if not hit:
-            return [None] * len(hashes)
-        idx = torch.tensor(hit, dtype=torch.int64, device=self.kv_buffer.device)
-        rows = read_pages(self.kv_buffer, idx).cpu().numpy()
-        it = iter(rows)
-        return [next(it).tobytes() if i >= 0 else None for i in ids]
-
-    def _park(self, req: Request, device_pages: list) -> bool:
-        """Scheduler hook: take ``req`` aside to load the rest of its prefix from the store.
-        The last prompt token is always computed, so at most ``(num_tokens - 1) //
-        block_size`` pages can be served. The request's device pages are held (``kv.hold``)
-        while it waits, so other work cannot evict the prefix the loaded pages continue.
-
-        It looks again whenever its device run is shorter than what it last reached (its
-        pages were given up, evicted and spilled: after a preemption, or when the scheduler
-        released every hold to make room), up to ``_MAX_LOADS`` times per admission."""
-        if self.store is None and not req.peer_hints:
-            return False
-        max_pages = (req.num_tokens - 1) // self.cache_config.block_size
-        num_device_pages = len(device_pages)
-        if (
-            num_device_pages >= max_pages
-            or num_device_pages == req.store_run  # nothing changed since it last looked
-            or req.store_loads >= _MAX_LOADS
-        ):
-            return False
-        req.store_loads += 1
-        rest = req.block_hashes[num_device_pages:max_pages]
-        # device pages past the first gap (an older part of the prompt was evicted first)
-        # continue the run once the gap is loaded: hold them too
-        later = [self.kv.pool.lookup(h) for h in rest]
-        self.kv.hold(req, list(device_pages) + [p for p in later if p is not None])
-        self.offloader.start_load(req, num_device_pages, rest, [p is not None for p in later])
-        return True
-
-    def _admit_loaded(self) -> None:
-        """Write finished loads into free device pages as cached pages and requeue their
-        requests at the head of the queue. The loaded run stays held for its request until
-        the scheduler admits it, so other work cannot evict it first. A load that does not
-        fit beside room for the running requests waits (they free pages as they finish)
-        rather than being written in part and recomputed, for at most ``_MAX_DEFER_STEPS``
-        steps; then, or when nothing runs, what fits is written."""
-        pool, bs = self.kv.pool, self.cache_config.block_size
-        pending, self._pending_loads = self._pending_loads, []
-        pending += [(res, 0) for res in self.offloader.finished_loads()]
-        reserve = pool.num_pages // 8  # room for the running requests' next pages
-        for res, deferred in pending:
-            req = res.request
-            if self.requests.get(req.request_id) is not req:
-                continue  # aborted while loading
-            first, end = res.first_page, res.first_page + len(res.tiers)
-            hashes = req.block_hashes[first:end]
-            # pages the device has (held since parking, or gained meanwhile) need no copy
-            todo = [
-                i for i, h in enumerate(hashes)
-                if res.tiers[i] != "device" and pool.lookup(h) is None
-            ]  # fmt: skip
-            # hold the part of the run the device has before taking pages for the rest, so
-            # taking them cannot evict it
-            self.kv.hold(req, [p for h in req.block_hashes[:end] if (p := pool.lookup(h))])
-            if (
-                todo
-                and len(todo) > pool.num_free - reserve
-                and self.scheduler.running
-                and deferred < _MAX_DEFER_STEPS
-            ):
-                self._pending_loads.append((res, deferred + 1))
-                continue
-            req.store_run = end  # the run it can now expect
-            todo = todo[: pool.num_free]
-            pages = pool.take(len(todo))
-            if pages:
-                self.offloader.flush_spills(self.kv_buffer)  # copy victims out first
-                write_page_buffers(
-                    self.kv_buffer, [p.page_id for p in pages], [res.payloads[i] for i in todo]
-                )
-            for page, i in zip(pages, todo):
-                n = first + i
-                parent = req.block_hashes[n - 1] if n else None
-                pool.cache_page(page, hashes[i], parent, req.all_token_ids[n * bs : (n + 1) * bs])
-                req.loaded_from[hashes[i]] = res.tiers[i]
-            self.kv.hold(req, [p for h in req.block_hashes[:end] if (p := pool.lookup(h))])
-            pool.release(reversed(pages))  # the hold keeps them now
-            self.scheduler.waiting.appendleft(req)
+    # ------------------------------------------------------------ what it is
 
     @property
     def max_model_len(self) -> int:
         return self.scheduler_config.max_model_len
+
+    @property
+    def layout(self) -> PageLayout:
+        return self.memory.layout
+
+    @property
+    def cache_format(self) -> str:
+        return self.memory.cache_format
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.memory.layout.bytes_per_token
+
+    @property
+    def page_spec(self) -> PageSpec:
+        """What a stored page object of this engine must say about itself (kvstore.codec)."""
+        return self.memory.page_spec
+
+    @property
+    def store(self) -> TieredStore | None:
+        """The tiers below the device (None: only the device, and peers a request names)."""
+        return self.connector.store
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Every token id that ends a generation: the model config's and the tokenizer's."""
+        ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return frozenset(ids)
+
+    # ------------------------------------------------------------ pages, for peers and the router
+
+    def read_cached_pages(self, hashes: Sequence[bytes]) -> list[bytes | None]:
+        """Payload bytes of the device's cached pages by hash (None where not cached). Call on
+        the engine thread: the copy is taken before any later step can reuse a slot."""
+        ids = self.kv.cached_page_ids(hashes)
+        it = iter(self.memory.read([i for i in ids if i >= 0]))
+        return [next(it) if i >= 0 else None for i in ids]
+
+    def cached_on_device(self, hashes: Sequence[bytes]) -> list[bool]:
+        """Which of these pages the device pool holds now (engine thread)."""
+        return [i >= 0 for i in self.kv.cached_page_ids(hashes)]
+
+    def cached_pages_by_tier(self) -> dict[str, list[bytes]]:
+        """The page hashes this worker holds in its own tiers, at this instant: ``device``
+        and, with a host tier, ``host`` (engine thread). Redis is shared, not listed."""
+        out = {"device": self.kv.cached_hashes()}
+        host = self.connector.host_tier()
+        if host is not None:
+            out["host"] = host.keys()
+        return out
 
     # ------------------------------------------------------------ requests
 
@@ -410,35 +340,36 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
-        if self.offloader is not None and self.offloader.is_loading(request_id):
-            self.offloader.cancel(request_id)
         self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-        return self._output(req, [], "")
+        return self.output_processor.output(req, [], "")
 
     def has_unfinished_requests(self) -> bool:
-        loading = self.offloader is not None and self.offloader.num_loading > 0
-        return self.scheduler.has_unfinished() or loading or bool(self._pending_loads)
+        return self.scheduler.has_unfinished()
 
     # ------------------------------------------------------------ the step
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, sample, and report every request that changed."""
-        if self.offloader is not None:
-            self._admit_loaded()
         sched = self.scheduler.schedule()
-        if self.offloader is not None:
-            self.offloader.flush_spills(self.kv_buffer)  # before the step overwrites slots
-            if not sched.scheduled and self.offloader.num_loading:
-                self.offloader.wait_for_load(0.05)  # nothing else to run: don't spin
+        self.connector.save_evicted()  # evicted pages leave before this step's writes
         if not sched.scheduled:
+            self.connector.wait_for_promotion(0.05)  # nothing to run: don't spin
             return []
-        sampled, logits = self.runner.execute(sched.scheduled)
+        to_sample, tokens, logprobs = self._run(sched)
+        return self._postprocess(to_sample, tokens, logprobs)
+
+    def _run(self, sched: SchedulerOutput) -> tuple[list[Request], list[int], list]:
+        to_sample, logits = self.runner.execute(sched.scheduled)
         for req, n in sched.scheduled:
             req.num_computed_tokens += n
-        tokens, logprobs = sample(logits, sampled) if sampled else ([], [])
+        tokens, logprobs = sample(logits, to_sample) if to_sample else ([], [])
+        return to_sample, tokens, logprobs
+
+    def _postprocess(self, reqs: list[Request], tokens: list[int], logprobs: list):
+        proc = self.output_processor
         outputs = []
         now = time.monotonic()
-        for req, tok, lp in zip(sampled, tokens, logprobs):
+        for req, tok, lp in zip(reqs, tokens, logprobs):
             if req.first_token_time is None:
                 req.first_token_time = now
             req.append_token(tok)
@@ -446,84 +377,12 @@ class LLMEngine:
                 req.logprobs.append(lp)
             if req.detokenizer is not None:
                 req.detokenizer.push(tok)
-            status = self._check_stop(req, tok)
+            status = proc.check_stop(req, tok)
             if status is not None:
                 self.requests.pop(req.request_id, None)
                 self.scheduler.finish(req, status)
-            outputs.append(self._output(req, [tok], self._emit_text(req)))
+            outputs.append(proc.output(req, [tok], proc.emit_text(req)))
         return outputs
-
-    def _emit_text(self, req: Request) -> str:
-        """The text to stream now. While a request with stop strings runs, the last
-        ``max(len(stop)) - 1`` characters are held back: they may turn out to start a stop
-        string, and streamed text is never taken back."""
-        det = req.detokenizer
-        if det is None:
-            return ""
-        if req.status.finished:
-            final = req.text if isinstance(req.stop_reason, str) else det.text
-        else:
-            hold = max(map(len, req.params.stop)) - 1 if req.params.stop else 0
-            final = det.text[: max(len(req.text), len(det.text) - hold)]
-        delta = final[len(req.text) :]
-        req.text = final
-        return delta
-
-    def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
-        p = req.params
-        if p.stop and req.detokenizer is not None:
-            text = req.detokenizer.text
-            # a new match can only start in the held-back tail or in this token's text
-            tail_from = max(0, len(req.text) - max(map(len, p.stop)) + 1)
-            hits = [(at, s) for s in p.stop if (at := text.find(s, tail_from)) >= 0]
-            if hits:
-                at, s = min(hits)  # the earliest match wins
-                req.text = text[: at + len(s) if p.include_stop_str_in_output else at]
-                req.stop_reason = s
-                return RequestStatus.FINISHED_STOPPED
-        if tok in p.stop_token_ids:
-            req.stop_reason = tok
-            return RequestStatus.FINISHED_STOPPED
-        if not p.ignore_eos and tok in self._eos_ids():
-            req.stop_reason = tok
-            return RequestStatus.FINISHED_STOPPED
-        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
-
-    def _by_tier(self, req: Request) -> dict[str, int]:
-        out = {"device": 0}
-        if self.store is not None:
-            out.update((t.name, 0) for t in self.store.tiers)
-        out.update(req.cached_by_tier)
-        return out
-
-    def _eos_ids(self) -> set[int]:
-        ids = set(self.model_config.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return ids
-
-    def _output(self, req: Request, new_ids: list[int], delta: str) -> RequestOutput:
-        finished = req.status.finished
-        text = req.text  # everything streamed so far; the final text once finished
-        cached = max(req.num_cached_tokens, 0)
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            token_ids=list(req.output_token_ids),
-            text=text,
-            new_token_ids=new_ids,
-            new_text=delta,
-            finished=finished,
-            finish_reason=req.status.value if finished else None,
-            num_cached_tokens=cached,
-            cached_tokens_by_tier=self._by_tier(req),
-            logprobs=list(req.logprobs) if req.params.logprobs else None,
-            stop_reason=req.stop_reason,
-            ttft_s=(req.first_token_time - req.arrival_time) if req.first_token_time else None,
-        )
 
     # ------------------------------------------------------------ stats
 
@@ -535,18 +394,16 @@ class LLMEngine:
             for r in s.running
             if r.num_computed_tokens < r.num_prompt_tokens
         )
-        loading = self.offloader.num_loading if self.offloader is not None else 0
-        loading += len(self._pending_loads)  # loaded, waiting for room
         return EngineStats(
             num_requests_running=len(s.running),
-            num_requests_waiting=len(s.waiting) + loading,
+            num_requests_waiting=len(s.waiting),
             kv_cache_usage_perc=self.kv.usage(),
-            num_pages=self.kv.pool.num_pages,
+            num_pages=self.kv.num_pages,
             num_free_pages=self.kv.num_free_pages,
             bytes_per_token=self.bytes_per_token,
             kv_cache_dtype=self.cache_format,
             bits_per_value=self.layout.bits_per_value,
-            residual_bytes=self.residual.numel() * self.residual.element_size(),
+            residual_bytes=self.memory.residual_nbytes,
             prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits,
             tokens_computed=self.runner.tokens_computed,
@@ -557,105 +414,18 @@ class LLMEngine:
     def reset_prefix_cache(self) -> int:
         """Drop every cached device page no request holds, the way eviction does: with a
         tiered store they spill down to host (and on to Redis). Returns how many."""
-        n = self.kv.pool.reset_prefix_cache()
-        if self.offloader is not None:
-            self.offloader.flush_spills(self.kv_buffer)
-            self.offloader.drain()  # an admin call: return once the pages are in the store
+        n = self.kv.reset_prefix_cache()
+        self.connector.drain()  # an admin call: return once the pages are in the store
         return n
 
     def store_metrics(self) -> dict:
-        """Per-tier store counters plus the offloader's spill/load counters ({} without a
-        store or a peer hint so far)."""
-        if self.offloader is None:
-            return {}
-        out = {"offload": dict(self.offloader.metrics)}
-        if self.store is not None:
-            out["tiers"] = self.store.metrics()
-        return out
+        """The connector's spill and promotion counters (``offload``) and per-tier store
+        counters (``tiers``, with a store)."""
+        return self.connector.metrics()
 
     def close(self) -> None:
         """Finish pending spills and release the store's threads and connections."""
-        if self.offloader is not None:
-            self.kv.pool.on_evict = None
-            self.scheduler.park = None
-            self.offloader.close()
-            self.offloader = None
+        self.connector.close()
 
 
-_MAX_LOADS = 3  # store lookups per request: a prefix evicted again and again is computed
-_MAX_DEFER_STEPS = 32  # steps a finished load may wait for room before it is written in part
-
-
-def _check_format_supported(fmt: str, device: torch.device) -> None:
-    """Fail at start-up, not mid-request, for a cache format this device cannot run."""
-    if device.type == "cuda" and fmt == "fp8":
-        cap = torch.cuda.get_device_capability(device)
-        if cap < (8, 9):
-            raise ValueError(
-                f"kv_cache_dtype 'fp8' needs a GPU with compute capability 8.9 or newer "
-                f"(Ada, Hopper); this one is {cap[0]}.{cap[1]}. Use 'int8' instead."
-            )
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue is at ``max_waiting``; retry later (gRPC: RESOURCE_EXHAUSTED)."""
-
-
-class LLM:
-    """Offline batch API: ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
-
-    def __init__(self, model: str = DEFAULT_MODEL, **engine_args):
-        self.engine = LLMEngine(model, **engine_args)
-
-    @property
-    def tokenizer(self) -> Tokenizer | None:
-        return self.engine.tokenizer
-
-    def generate(
-        self,
-        prompts: Prompt | Sequence[Prompt],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
-    ) -> list[RequestOutput]:
-        """Run every prompt to completion as one continuous batch; outputs in input order.
-        Every prompt is validated before anything runs."""
-        if isinstance(prompts, str) or (
-            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
-        elif len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        if self.engine.driver is not None:
-            raise RuntimeError(
-                "this engine is driven by an AsyncEngine; use AsyncEngine.generate instead"
-            )
-        reqs = []
-        for i, (p, sp) in enumerate(zip(prompts, params)):
-            try:
-                reqs.append(self.engine.make_request(p, sp))
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
-        for r in reqs:
-            self.engine.add(r, check_queue=False)
-        final: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished:
-                    final[out.request_id] = out
-        return [final[r.request_id] for r in reqs]
-
-    def chat(self, messages: list[dict], params: SamplingParams | None = None) -> RequestOutput:
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer, so no chat template")
-        return self.generate(self.tokenizer.apply_chat_template(messages), params)[0]
-
-    def reset_prefix_cache(self) -> int:
-        return self.engine.reset_prefix_cache()
-
-    def close(self) -> None:
-        self.engine.close()
-
-
-__all__ = ["LLM", "LLMEngine", "QueueFullError", "EngineStats"]
+__all__ = ["LLMEngine", "QueueFullError", "EngineStats", "Prompt"]

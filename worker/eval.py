@@ -91,8 +91,11 @@ def evaluate_perplexity(
         total, count = total + nll, count + n
         logger.info(
             "window %d/%d: running ppl %.4f (%.1fs)",
-            i + 1, windows, math.exp(total / count), time.monotonic() - t0,
-        )  # fmt: skip
+            i + 1,
+            windows,
+            math.exp(total / count),
+            time.monotonic() - t0,
+        )
     return PerplexityResult(
         ppl=math.exp(total / count),
         nll=total / count,

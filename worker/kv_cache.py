@@ -9,7 +9,7 @@ allocation takes from the head, evicting the least recently freed page first.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from kvmesh.kvstore.events import EventLog
 from kvmesh.worker.request import Request
@@ -85,8 +85,8 @@ class PagePool:
         self.cached: dict[bytes, Page] = {}
         self.events = events
         self.evictions = 0
-        # called with a cached page about to lose its hash (its bytes still intact): the
-        # engine's spill hook
+        # called with a cached page about to lose its hash (its bytes still intact): set
+        # through ``KVCacheManager.set_evict_listener``
         self.on_evict: Callable[[Page], None] | None = None
 
     @property
@@ -127,9 +127,9 @@ class PagePool:
         page.block_hash = None
         self.evictions += 1
 
-    def touch(self, pages: Iterable[Page]) -> None:
-        """Take a reference on cached pages a new request reuses (pulling free ones out of the
-        free queue so they cannot be evicted)."""
+    def acquire(self, pages: Iterable[Page]) -> None:
+        """Take a reference on cached pages (pulling free ones out of the free queue so they
+        cannot be evicted)."""
         for p in pages:
             if p.ref_cnt == 0:
                 self.free_queue.remove(p)
@@ -216,30 +216,30 @@ class KVCacheManager:
         beyond ``computed``, cached pages it reuses). Returns the new pages, or None (and
         changes nothing) when too few pages are free."""
         computed = computed or []
-        held = self.req_pages.get(req.request_id, [])
+        owned = self.req_pages.get(req.request_id, [])
         total = req.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
-        needed = -(-total // self.block_size) - len(held) - len(computed)
-        reclaim = sum(1 for p in computed if p.ref_cnt == 0)  # free now, but about to be held
+        needed = -(-total // self.block_size) - len(owned) - len(computed)
+        reclaim = sum(1 for p in computed if p.ref_cnt == 0)  # free now, about to be owned
         if needed > self.pool.num_free - reclaim:
             return None
         if req.request_id not in self.req_pages:
-            self.req_pages[req.request_id] = held = []
+            self.req_pages[req.request_id] = owned = []
             self._num_hashed[req.request_id] = 0
             if self.num_residual_slots:
                 if not self._free_slots:
                     raise AssertionError("no residual slot left: more running requests than slots")
                 self._req_slot[req.request_id] = self._free_slots.pop()
-        self.pool.touch(computed)
+        self.pool.acquire(computed)
         self.release_hold(req)  # its own references now keep what it uses
-        held.extend(computed)
+        owned.extend(computed)
         self._num_hashed[req.request_id] += len(computed)
         new = self.pool.take(max(needed, 0))
-        held.extend(new)
+        owned.extend(new)
         if self.enable_prefix_caching:
-            self._cache_full_pages(req, held, total)
+            self._cache_full_pages(req, owned, total)
         return new
 
-    def _cache_full_pages(self, req: Request, held: list[Page], num_tokens: int) -> None:
+    def _cache_full_pages(self, req: Request, owned: list[Page], num_tokens: int) -> None:
         # Safe before the forward pass: the step that writes these tokens runs before any
         # other request can be scheduled onto the pages.
         bs = self.block_size
@@ -248,7 +248,7 @@ class KVCacheManager:
         for i in range(start, end):
             parent = req.block_hashes[i - 1] if i else None
             self.pool.cache_page(
-                held[i], req.block_hashes[i], parent, req.all_token_ids[i * bs : (i + 1) * bs]
+                owned[i], req.block_hashes[i], parent, req.all_token_ids[i * bs : (i + 1) * bs]
             )
         self._num_hashed[req.request_id] = max(start, end)
 
@@ -259,7 +259,7 @@ class KVCacheManager:
         it runs. Replaces ``req``'s earlier hold. The scheduler gives holds up when it needs
         the room (``release_newest_hold`` before preempting a running request,
         ``release_holds`` when nothing can run)."""
-        self.pool.touch(pages)
+        self.pool.acquire(pages)
         self.release_hold(req)
         if pages:
             self._holds[req.request_id] = list(pages)
@@ -280,7 +280,7 @@ class KVCacheManager:
 
     def release_holds(self) -> int:
         """Give up every hold (the pages stay cached, now evictable). Returns how many
-        requests held pages."""
+        requests had a hold."""
         n = 0
         while self.release_newest_hold():
             n += 1
@@ -298,6 +298,67 @@ class KVCacheManager:
         if slot is not None:
             self._free_slots.append(slot)
         self.pool.release(reversed(pages))
+
+    # ------------------------------------------------------------ for the connector
+    # The KV connector (worker/kv_connector.py) promotes pages from the tiers and spills
+    # evicted ones; these calls are all it needs of the pool.
+
+    def set_evict_listener(self, listener: Callable[[bytes, int], None] | None) -> None:
+        """Register the one listener called with ``(page hash, page id)`` of every cached page
+        about to lose its slot, while its bytes are still intact (the spill hook)."""
+        if listener is None:
+            self.pool.on_evict = None
+        else:
+            self.pool.on_evict = lambda page: listener(page.block_hash, page.page_id)
+
+    def cached_page(self, block_hash: bytes) -> Page | None:
+        """The cached page with this hash, or None. Does not modify the cache."""
+        return self.pool.lookup(block_hash)
+
+    def cached_page_ids(self, hashes: Sequence[bytes]) -> list[int]:
+        """Page ids of the cached pages with these hashes, -1 where not cached."""
+        return [p.page_id if (p := self.pool.lookup(h)) else -1 for h in hashes]
+
+    def cached_hashes(self) -> list[bytes]:
+        """Every page hash cached on the device now (a snapshot)."""
+        return list(self.pool.cached)
+
+    def insert_cached_pages(
+        self,
+        req: Request,
+        page_indices: Sequence[int],
+        write: Callable[[list[int]], None],
+    ) -> list[Page]:
+        """Make pages ``page_indices`` of ``req``'s tokens cached pages of the pool, with
+        bytes from outside (a promotion): take as many free pages as there are (at most
+        ``len(page_indices)``, evicting from the LRU head), call ``write(page_ids)`` to fill
+        them, then publish their hashes. Returns the pages in order, each still carrying the
+        one reference it was taken with: the caller hands it to a ``hold`` or ``unpin``s it.
+        """
+        page_indices = list(page_indices)[: self.pool.num_free]
+        pages = self.pool.take(len(page_indices))
+        if pages:
+            write([p.page_id for p in pages])
+        bs = self.block_size
+        for page, n in zip(pages, page_indices):
+            parent = req.block_hashes[n - 1] if n else None
+            self.pool.cache_page(
+                page, req.block_hashes[n], parent, req.all_token_ids[n * bs : (n + 1) * bs]
+            )
+        return pages
+
+    def unpin(self, pages: Iterable[Page]) -> None:
+        """Drop one reference from each page (last first: its tail is evicted first)."""
+        self.pool.release(reversed(list(pages)))
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached page no request uses (they are evicted: spilled, with a
+        listener). Returns how many."""
+        return self.pool.reset_prefix_cache()
+
+    @property
+    def num_pages(self) -> int:
+        return self.pool.num_pages
 
     def residual_slot(self, req: Request) -> int:
         return self._req_slot[req.request_id]

@@ -31,8 +31,8 @@ class ModelRunner:
     def execute(
         self, scheduled: list[tuple[Request, int]], all_logits: bool = False
     ) -> tuple[list[Request], torch.Tensor]:
-        """Run one step. Returns the requests that reached the end of their known tokens (they
-        get a new token sampled) and their logits, (len(those), vocab) float32. With
+        """Run one step. Returns the requests to sample (those that reached the end of their
+        known tokens: each gets a new token) and their logits, (len(those), vocab) float32. With
         ``all_logits`` (scoring), the logits of every token of the step instead, (T, vocab)."""
         bs = self.block_size
         # single-token requests first: they form one batched attention group
@@ -44,9 +44,9 @@ class ModelRunner:
         decode_lens: list[int] = []
         prefills: list[PrefillSpan] = []
         logit_idx: list[int] = []
-        sampled: list[Request] = []
+        to_sample: list[Request] = []
         quantized = self.num_residual_slots > 0
-        q = _QuantPlan(bs, self.num_residual_slots) if quantized else None
+        plan = _QuantPlan(bs, self.num_residual_slots) if quantized else None
         for req, n in order:
             c = req.num_computed_tokens
             table = self.kv.page_ids(req)
@@ -55,22 +55,22 @@ class ModelRunner:
             pos += range(c, c + n)
             slots += [table[p // bs] * bs + p % bs for p in range(c, c + n)]
             r = -1
-            if q is not None:
+            if plan is not None:
                 r = self.kv.residual_slot(req)
-                q.add(table, start, c, n, r)
+                plan.add(table, start, num_computed=c, num_new=n, residual_slot=r)
             tail = r if (c + n) % bs else -1  # the slot holding the partial last page
             if n == 1:
                 decode_tables.append(table[: (c + bs) // bs])
                 decode_lens.append(c + 1)
-                if q is not None:
-                    q.decode_slots.append(tail)
+                if plan is not None:
+                    plan.decode_slots.append(tail)
             else:
                 n_pages = -(-(c + n) // bs)
                 pages = torch.tensor(table[:n_pages], dtype=torch.int64, device=self.device)
                 prefills.append(PrefillSpan(start, n, c + n, pages, tail))
             if c + n == req.num_tokens:
                 logit_idx.append(len(ids) - 1)
-                sampled.append(req)
+                to_sample.append(req)
         width = max((len(t) for t in decode_tables), default=0)
         tables = torch.zeros((len(decode_tables), width), dtype=torch.int64)  # 0 = null page
         for i, t in enumerate(decode_tables):
@@ -83,8 +83,8 @@ class ModelRunner:
             prefills=prefills,
             block_size=bs,
         )
-        if q is not None:
-            q.fill(meta, self.device)
+        if plan is not None:
+            plan.fill(meta, self.device)
         self.backend.prepare(meta)
         with torch.inference_mode():
             logits = self.model(
@@ -97,7 +97,7 @@ class ModelRunner:
                 else torch.tensor(logit_idx, dtype=torch.int64, device=self.device),
             )
         self.tokens_computed += len(ids)
-        return sampled, logits
+        return to_sample, logits
 
 
 class _QuantPlan:
@@ -105,28 +105,40 @@ class _QuantPlan:
     are in full precision), and which new tokens go to residual slots."""
 
     def __init__(self, block_size: int, num_slots: int):
-        self.bs = block_size
+        self.block_size = block_size
         self.res_rows = num_slots * block_size  # new-token sources are offset by this
         self.residual_rows: list[int] = []  # per new token, in step order
         self.complete_pages: list[int] = []
         self.complete_src: list[int] = []
         self.decode_slots: list[int] = []
 
-    def add(self, table: list[int], start: int, c: int, n: int, r: int) -> None:
-        """A request with ``c`` computed tokens gets ``n`` new ones at ``tokens[start:]``."""
-        if r < 0:
+    def add(
+        self,
+        table: list[int],
+        token_start: int,
+        *,
+        num_computed: int,
+        num_new: int,
+        residual_slot: int,
+    ) -> None:
+        """A request with ``num_computed`` tokens in its pages gets ``num_new`` more, found at
+        ``tokens[token_start:]`` of the step; ``table`` is its page table."""
+        if residual_slot < 0:
             raise AssertionError("a request of a quantized cache has no residual slot")
-        bs, end = self.bs, c + n
-        for p in range(c // bs, end // bs):  # pages that fill in this step
-            self.complete_pages.append(table[p])
-            for pos in range(p * bs, (p + 1) * bs):
+        bs, end = self.block_size, num_computed + num_new
+        slot_row = residual_slot * bs  # the slot's first row in the residual
+        for page in range(num_computed // bs, end // bs):  # pages that fill in this step
+            self.complete_pages.append(table[page])
+            for pos in range(page * bs, (page + 1) * bs):
                 # earlier tokens of the page wait in the residual; the rest are new
                 self.complete_src.append(
-                    r * bs + pos % bs if pos < c else self.res_rows + start + pos - c
+                    slot_row + pos % bs
+                    if pos < num_computed
+                    else self.res_rows + token_start + pos - num_computed
                 )
-        tail_from = max(c, end // bs * bs)
-        self.residual_rows += [-1] * (tail_from - c)
-        self.residual_rows += [r * bs + pos % bs for pos in range(tail_from, end)]
+        tail_from = max(num_computed, end // bs * bs)
+        self.residual_rows += [-1] * (tail_from - num_computed)
+        self.residual_rows += [slot_row + pos % bs for pos in range(tail_from, end)]
 
     def fill(self, meta: AttentionMetadata, device: torch.device) -> None:
         def t(x):
@@ -134,5 +146,5 @@ class _QuantPlan:
 
         meta.residual_slots = t(self.residual_rows)
         meta.complete_pages = t(self.complete_pages)
-        meta.complete_src = t(self.complete_src).view(-1, self.bs)
+        meta.complete_src = t(self.complete_src).view(-1, self.block_size)
         meta.decode_residual_slots = t(self.decode_slots)

@@ -1,15 +1,14 @@
-"""The engine's side of the tiered store: spill evicted pages down, load prefix hits back up.
+"""The KV connector's threads: spill evicted pages down, fetch prefix pages for promotion.
 
 Spill is write-back. When the page pool evicts a cached page to reuse its slot, the page's
-bytes are copied out (before the step that overwrites the slot runs) and handed to a spill
-thread, which encodes them and puts them into the first tier.
+bytes are copied out (before the step that overwrites the slot runs) through reused staging
+buffers and handed to a spill thread, which encodes them and puts them into the first tier.
 
-Loads run on a loader thread, so the step loop never waits on Redis or a peer while other
-requests could run. A waiting request whose prefix continues beyond the device's cached
-pages is parked; the loader asks the store for the longest run of consecutive pages any
-tier holds and fetches them (validated by the codec). The engine thread then writes them
-into free device pages as ordinary cached pages and puts the request back at the head of
-the queue, where the normal prefix lookup finds the whole run on the device.
+Fetches run on their own thread, so the step loop never waits on Redis or a peer while other
+requests could run: for a request being promoted, the fetch thread asks the store (then the
+peers the request names) for the longest run of consecutive pages any of them holds and
+fetches them, validated by the codec. The connector (worker/kv_connector.py) writes them
+into the pool on the engine thread.
 """
 
 from __future__ import annotations
@@ -26,25 +25,24 @@ from kvmesh.kernels.page_format import read_pages
 from kvmesh.kvstore.codec import PageSpec
 from kvmesh.kvstore.host import HostTier
 from kvmesh.kvstore.store import TieredStore
-from kvmesh.worker.kv_cache import Page
 from kvmesh.worker.request import Request
 
 logger = logging.getLogger("kvmesh.offload")
 
 
 @dataclass
-class LoadResult:
+class FetchResult:
     request: Request
-    first_page: int  # index in the request's block_hashes of the first loaded page
-    tiers: list[str]  # per loaded page, the tier it came from
-    # per loaded page, its validated payload: a zero-copy view of the stored object, so the
-    # engine thread's copy into the pool is the only one; None where the device holds it
+    first_page: int  # index in the request's block_hashes of the first fetched page
+    tiers: list[str]  # per page of the run, the tier it came from ("device": not fetched)
+    # per page, its validated payload: a zero-copy view of the stored object, so the engine
+    # thread's copy into the pool is the only one; None where the device holds it
     payloads: list[memoryview | None]
 
 
 class KVOffloader:
-    """Owns the spill and loader threads for one engine. Engine-thread methods: ``on_evict``,
-    ``flush_spills``, ``start_load``, ``finished_loads``."""
+    """Owns the spill and fetch threads for one engine. Engine-thread methods: ``on_evict``,
+    ``flush_spills``, ``start_fetch``, ``take_fetch``."""
 
     def __init__(
         self,
@@ -60,24 +58,31 @@ class KVOffloader:
         self._peer_stores: dict[str, TieredStore] = {}  # hinted address -> its one-tier store
         self.max_spill_backlog = max_spill_backlog
         self._spill_pool = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-spill")
-        self._load_pool = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-load")
+        self._fetch_pool = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-fetch")
         self._evicted: list[tuple[bytes, int]] = []  # (hash, page id) awaiting a copy
-        self._loads: dict[str, Future] = {}
-        self._done = threading.Event()  # set by the loader when a load finishes
+        self._fetches: dict[str, Future] = {}
+        self._done = threading.Event()  # set by the fetch thread when a fetch finishes
         self._backlog = 0  # pages copied out but not yet put (spill thread)
         self._lock = threading.Lock()
         self._staging = _StagingBuffers(self.page_nbytes, max_pages=max_spill_backlog)
-        self.metrics = {
-            "spilled_pages": 0, "spill_skipped_pages": 0, "spill_already_stored_pages": 0,
-            "spill_errors": 0,
-            "loads": 0, "loaded_pages": 0, "load_errors": 0,
-        }  # fmt: skip
+        self.metrics = dict.fromkeys(
+            (
+                "spilled_pages",
+                "spill_skipped_pages",
+                "spill_already_stored_pages",
+                "spill_errors",
+                "promotions",
+                "promoted_pages",
+                "promotion_errors",
+            ),
+            0,
+        )
 
     # ------------------------------------------------------------ spill
 
-    def on_evict(self, page: Page) -> None:
-        """The pool is about to reuse ``page``'s slot; its bytes are still intact."""
-        self._evicted.append((page.block_hash, page.page_id))
+    def on_evict(self, block_hash: bytes, page_id: int) -> None:
+        """The pool is about to reuse page ``page_id``'s slot; its bytes are still intact."""
+        self._evicted.append((block_hash, page_id))
 
     def flush_spills(self, kv_buffer: torch.Tensor) -> None:
         """Copy the evicted pages out of the pool now (before anything overwrites them) and
@@ -88,13 +93,13 @@ class KVOffloader:
         evicted, self._evicted = self._evicted, []
         first = self.store.tiers[0] if self.store is not None else None
         if isinstance(first, HostTier):
-            # A page loaded from host (or spilled before) and evicted again is still there,
-            # byte for byte (same hash, same bytes): copying, encoding and storing it again
-            # would only cost; touching it keeps the LRU order a put would have given. In
-            # multi-turn chat most evictions are such pages. Asked of the in-memory host tier
-            # only; a remote first tier is never asked on this thread.
-            held = first.touch([h for h, _ in evicted])
-            kept = [e for e, x in zip(evicted, held) if not x]
+            # A page promoted from host (or spilled before) and evicted again is still
+            # there, byte for byte (same hash, same bytes): copying, encoding and storing it
+            # again would only cost; refreshing it keeps the LRU order a put would have
+            # given. In multi-turn chat most evictions are such pages. Asked of the in-memory
+            # host tier only; a remote first tier is never asked on this thread.
+            present = first.refresh([h for h, _ in evicted])
+            kept = [e for e, x in zip(evicted, present) if not x]
             if len(kept) < len(evicted):
                 with self._lock:
                     self.metrics["spill_already_stored_pages"] += len(evicted) - len(kept)
@@ -142,19 +147,19 @@ class KVOffloader:
         """Wait until every spill handed over so far is in the store (tests, shutdown)."""
         self._spill_pool.submit(lambda: None).result(timeout)
 
-    # ------------------------------------------------------------ load
+    # ------------------------------------------------------------ fetch
 
-    def start_load(
+    def start_fetch(
         self, req: Request, first_page: int, hashes: Sequence[bytes], on_device: Sequence[bool]
     ) -> None:
         """Look up ``hashes`` (the request's pages after its device hits) in the store and
-        fetch the longest consecutive run, on the loader thread. ``on_device[i]``: page i is
+        fetch the longest consecutive run, on the fetch thread. ``on_device[i]``: page i is
         on the device (held for the request) and needs no fetch, only to continue the run."""
-        # pages evicted up to now may still be on their way to the store: the load looks
+        # pages evicted up to now may still be on their way to the store: the fetch looks
         # up only after they are in (the spill thread is FIFO, so this barrier is enough)
         spilled = self._spill_pool.submit(lambda: None)
-        self._loads[req.request_id] = self._load_pool.submit(
-            self._load, req, first_page, list(hashes), list(on_device), spilled
+        self._fetches[req.request_id] = self._fetch_pool.submit(
+            self._fetch, req, first_page, list(hashes), list(on_device), spilled
         )
 
     def _peer_store(self, address: str) -> TieredStore:
@@ -187,14 +192,14 @@ class KVOffloader:
             out[i] = g
         return out
 
-    def _load(
+    def _fetch(
         self,
         req: Request,
         first_page: int,
         hashes: list[bytes],
         on_device: list[bool],
         spilled: Future | None = None,
-    ) -> LoadResult:
+    ) -> FetchResult:
         tiers: list[str] = []
         payloads: list[memoryview | None] = []
         try:
@@ -212,41 +217,42 @@ class KVOffloader:
                 tiers.append("device" if g is None else g[0])  # device: held, not fetched
                 payloads.append(None if g is None else g[1])
         except Exception:  # a tier bug must not fail the request: it is recomputed
-            logger.exception("loading %s's prefix failed; computing it", req.request_id)
+            logger.exception("fetching %s's prefix failed; computing it", req.request_id)
             with self._lock:
-                self.metrics["load_errors"] += 1
+                self.metrics["promotion_errors"] += 1
             tiers, payloads = [], []
         finally:
             self._done.set()
         with self._lock:
-            self.metrics["loads"] += 1
-            self.metrics["loaded_pages"] += sum(t != "device" for t in tiers)
-        return LoadResult(req, first_page, tiers, payloads)
+            self.metrics["promotions"] += 1
+            self.metrics["promoted_pages"] += sum(t != "device" for t in tiers)
+        return FetchResult(req, first_page, tiers, payloads)
 
     @property
-    def num_loading(self) -> int:
-        return len(self._loads)
-
-    def is_loading(self, request_id: str) -> bool:
-        return request_id in self._loads
+    def num_fetching(self) -> int:
+        return len(self._fetches)
 
     def cancel(self, request_id: str) -> None:
-        """Forget a parked request (aborted); its load result, if any, is dropped."""
-        self._loads.pop(request_id, None)
+        """Forget a request's fetch (aborted); its result, if any, is dropped."""
+        self._fetches.pop(request_id, None)
 
-    def finished_loads(self) -> list[LoadResult]:
-        done = [rid for rid, f in self._loads.items() if f.done()]
-        return [self._loads.pop(rid).result() for rid in done]
+    def take_fetch(self, request_id: str) -> FetchResult | None:
+        """The finished fetch of this request (once), or None while it is in flight."""
+        f = self._fetches.get(request_id)
+        if f is None or not f.done():
+            return None
+        del self._fetches[request_id]
+        return f.result()
 
-    def wait_for_load(self, timeout: float) -> None:
-        """Block until some load finishes (or ``timeout``): for an engine with nothing else
+    def wait_for_fetch(self, timeout: float) -> None:
+        """Block until some fetch finishes (or ``timeout``): for an engine with nothing else
         to run."""
-        if self._loads and not any(f.done() for f in self._loads.values()):
+        if self._fetches and not any(f.done() for f in self._fetches.values()):
             self._done.wait(timeout)
         self._done.clear()
 
     def close(self) -> None:
-        self._load_pool.shutdown(wait=False, cancel_futures=True)
+        self._fetch_pool.shutdown(wait=False, cancel_futures=True)
         self._spill_pool.shutdown(wait=True)
         for store in [self.store, *self._peer_stores.values()]:
             if store is not None:

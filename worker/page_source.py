@@ -21,13 +21,11 @@ class EnginePageSource:
         self.timeout_s = timeout_s
         eng = engine.engine
         self.spec = eng.page_spec
-        tiers = eng.store.tiers if eng.store is not None else []
-        self.host: HostTier | None = next((t for t in tiers if isinstance(t, HostTier)), None)
+        self.store = eng.store
+        self.host: HostTier | None = eng.connector.host_tier()
 
     def _on_device(self, hashes: Sequence[bytes]) -> list[bool]:
-        return self.aengine.call(
-            lambda e: [e.kv.pool.lookup(h) is not None for h in hashes], self.timeout_s
-        )
+        return self.aengine.call(lambda e: e.cached_on_device(hashes), self.timeout_s)
 
     def lookup(self, hashes: Sequence[bytes]) -> list[str | None]:
         out: list[str | None] = ["device" if d else None for d in self._on_device(hashes)]
@@ -57,5 +55,5 @@ class EnginePageSource:
             except PageCodecError:
                 continue
             good.append((h, obj))
-        self.host.put(good)
+        self.store.put_encoded(good)  # reported to the router like a spill
         return len(good)

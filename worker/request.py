@@ -14,6 +14,9 @@ from kvmesh.worker.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    # waiting while the KV connector promotes more of its prefix from the tiers (or peers)
+    # into the device pool; the scheduler passes over it until the promotion is done
+    PROMOTING = "promoting"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"
@@ -53,9 +56,9 @@ class Request:
             self.generator = torch.Generator().manual_seed(self.params.seed)
         self.detokenizer = None  # set by the engine when it has a tokenizer
         self.cached_by_tier: dict[str, int] = {}  # prompt tokens served per tier
-        self.loaded_from: dict[bytes, str] = {}  # page hash -> tier it was promoted from
-        self.store_loads = 0  # loads started from the tiered store / peers
-        self.store_run = -1  # pages its prefix run reached after its last load
+        self.promoted_from: dict[bytes, str] = {}  # page hash -> tier it was promoted from
+        self.num_promotions = 0  # promotions started from the tiered store / peers
+        self.promoted_run = -1  # pages its prefix run reached after its last promotion
         self.peer_hints: list[str] = []  # KVTransfer addresses that may hold its pages
         self.text = ""
 

@@ -6,17 +6,24 @@ each step gives each request ``min(remaining, budget left)`` new tokens under
 then waiting ones in arrival order (FCFS). When the pool runs out of pages, the newest running
 request is preempted: its pages are freed (they stay in the prefix cache) and it goes back to
 the front of the queue, to be recomputed later.
+
+The scheduler never talks to a tier. It asks the KV connector (worker/kv_connector.py)
+whether the tiers can supply more of a waiting request's prefix; a request being promoted
+waits in its own state (``PROMOTING``) in the queue, passed over until the connector is done.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvmesh.worker.config import SchedulerConfig
 from kvmesh.worker.kv_cache import KVCacheManager
 from kvmesh.worker.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from kvmesh.worker.kv_connector import KVConnector
 
 
 @dataclass
@@ -30,15 +37,15 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+    def __init__(
+        self, config: SchedulerConfig, kv: KVCacheManager, connector: KVConnector | None = None
+    ):
         self.config = config
         self.kv = kv
-        self.waiting: deque[Request] = deque()
+        self.connector = connector  # None: no tiers below the device, no peers
+        self.waiting: deque[Request] = deque()  # PROMOTING requests wait here too
         self.running: list[Request] = []
         self.num_preemptions = 0
-        # the engine's tiered-store hook: called with a waiting request and its device hits;
-        # returns True when it took the request away to load more of its prefix
-        self.park: Callable[[Request, list], bool] | None = None
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -51,9 +58,8 @@ class Scheduler:
         self.kv.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
-        # its pages now spill as any freed cached page does: on resumption it may load them
-        # back from the store again, however many loads it made before
-        victim.store_loads, victim.store_run = 0, -1
+        if self.connector is not None:
+            self.connector.on_preempted(victim)
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(victim)
@@ -82,21 +88,30 @@ class Scheduler:
             break  # req itself was preempted: nothing older is left to try
         if out.preempted:
             return out  # the pool is full: admitting new work now would only thrash
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+        conn = self.connector
+        blocked = False  # a request that could run did not fit in the pool
+        i = 0  # PROMOTING requests are passed over; the others are taken in order
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[i]
+            if req.status is RequestStatus.PROMOTING and not conn.finish_promotion(
+                req, room_needed=bool(self.running)
+            ):
+                i += 1
+                continue
             computed, num_hit = self.kv.get_computed_pages(req)
-            if self.park is not None and self.park(req, computed):
-                self.waiting.popleft()
+            if conn is not None and conn.start_promotion(req, computed):
+                i += 1
                 continue
             num_new = min(req.num_tokens - num_hit, budget)
             if self.kv.allocate_slots(req, num_new, computed) is None:
+                blocked = True
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
                 for p in computed:  # pages promoted from a lower tier count for that tier
-                    tier = req.loaded_from.get(p.block_hash, "device")
+                    tier = req.promoted_from.get(p.block_hash, "device")
                     req.cached_by_tier[tier] = req.cached_by_tier.get(tier, 0) + req.block_size
                 self.kv.prefix_queries += req.num_tokens
                 self.kv.prefix_hits += num_hit
@@ -104,9 +119,9 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append((req, num_new))
             budget -= num_new
-        if not self.running and not out.scheduled and self.waiting and self.kv.num_holds:
+        if blocked and not self.running and not out.scheduled and self.kv.num_holds:
             # Nothing runs and the head of the queue does not fit: the pages pinned for
-            # waiting requests (parked prefixes, loaded pages) are what it lacks. They stay
+            # waiting requests (held prefixes, promoted pages) are what it lacks. They stay
             # cached, now evictable, rather than the engine waiting forever.
             self.kv.release_holds()
         return out
@@ -114,6 +129,8 @@ class Scheduler:
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Remove a running or waiting request and free its pages at once."""
         req.status = status
+        if self.connector is not None:
+            self.connector.on_finished(req)
         if req in self.running:
             self.running.remove(req)
         else:

@@ -112,8 +112,8 @@ def test_attention_reads_the_quantized_pages(prompts):
     assert hit.num_cached_tokens == 96 and hit.token_ids == cold.token_ids
     # zero the value scales of the cached pages: a hit must now give other tokens
     req = eng.make_request(prompt)
-    pages = torch.tensor([eng.kv.pool.lookup(h).page_id for h in req.block_hashes])
-    for layer in eng.layer_caches:
+    pages = torch.tensor(eng.kv.cached_page_ids(req.block_hashes))
+    for layer in eng.memory.layer_caches:
         assert layer.views["v"].dtype == torch.uint8  # packed nibbles, not floats
         layer.views["v_scale"][pages] = 0
     broken = llm.generate([prompt], GREEDY)[0]
@@ -127,7 +127,7 @@ def test_capacity_per_format(smol_src):
     pages = {}
     for fmt in ("fp16", "int8", "int4"):
         llm = LLM("smollm2-135m-instruct", kv_cache_dtype=fmt, kv_cache_memory=budget)
-        pages[fmt] = llm.engine.kv.pool.num_pages
+        pages[fmt] = llm.engine.kv.num_pages
         assert llm.engine.stats().kv_cache_dtype == fmt
     assert pages["int8"] >= 1.8 * pages["fp16"]
     assert pages["int4"] >= 2.8 * pages["fp16"]

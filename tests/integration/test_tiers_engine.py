@@ -65,7 +65,7 @@ def test_evicted_prefix_is_served_from_host(host_engine, prompts, reference):
     assert first.token_ids == reference[0]
     assert first.cached_tokens_by_tier == {"device": 0, "host": 0, "redis": 0}
     _run(host_engine, b)  # needs a's pages: the device evicts them and they spill to host
-    host_engine.engine.offloader.drain()
+    host_engine.engine.connector.drain()
     out, computed = _run(host_engine, a)
     assert out.cached_tokens_by_tier["host"] >= 1008
     assert out.num_cached_tokens == 1024
@@ -82,12 +82,12 @@ def test_a_page_the_host_still_holds_is_not_spilled_again(host_engine, prompts, 
     a, b = prompts[0], prompts[1]
     _run(host_engine, a)
     _run(host_engine, b)
-    host_engine.engine.offloader.drain()
+    host_engine.engine.connector.drain()
     out, _ = _run(host_engine, a)  # loaded from host
     assert out.cached_tokens_by_tier["host"] >= 1008
     m0 = host_engine.engine.store_metrics()["offload"]
     _run(host_engine, b)  # evicts a's loaded pages again
-    host_engine.engine.offloader.drain()
+    host_engine.engine.connector.drain()
     m1 = host_engine.engine.store_metrics()["offload"]
     assert m1["spill_already_stored_pages"] - m0["spill_already_stored_pages"] >= 60
     out, _ = _run(host_engine, a)

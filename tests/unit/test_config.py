@@ -85,7 +85,7 @@ def test_cache_config_defaults_and_frozen():
         ({"block_size": 0}, "block_size"),
         ({"block_size": 12}, "block_size"),
         ({"kv_cache_dtype": "int5"}, "kv_cache_dtype"),
-        ({"num_blocks_override": 1}, "num_blocks"),
+        ({"num_pages": 1}, "num_pages"),
         ({"kv_cache_memory": 0}, "kv_cache_memory"),
     ],
 )
@@ -96,7 +96,7 @@ def test_cache_config_rejects(kwargs, match):
 
 @pytest.mark.parametrize("block_size", [1, 2, 16, 256])
 def test_cache_config_accepts_powers_of_two(block_size):
-    assert CacheConfig(block_size=block_size, num_blocks_override=2).block_size == block_size
+    assert CacheConfig(block_size=block_size, num_pages=2).block_size == block_size
 
 
 @pytest.mark.parametrize(

@@ -43,10 +43,10 @@ def test_lru_order_get_refreshes_contains_does_not():
     assert t.used_bytes == 300
 
 
-def test_touch_refreshes_held_pages_without_counting_a_read():
+def test_refresh_moves_stored_pages_to_the_lru_tail_without_counting_a_read():
     t = HostTier(300)
     t.put([(h(i), obj(i)) for i in range(3)])
-    assert t.touch([h(0), h(9)]) == [True, False]
+    assert t.refresh([h(0), h(9)]) == [True, False]
     assert t.keys() == [h(1), h(2), h(0)]
     assert t.metrics["hits"] == 0 and t.metrics["misses"] == 0
 

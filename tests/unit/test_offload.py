@@ -10,7 +10,6 @@ import torch
 from kvmesh.kvstore.codec import PageSpec, decode
 from kvmesh.kvstore.host import HostTier
 from kvmesh.kvstore.store import TieredStore
-from kvmesh.worker.kv_cache import Page
 from kvmesh.worker.offload import KVOffloader
 from kvmesh.worker.request import Request
 from kvmesh.worker.sampling_params import SamplingParams
@@ -26,9 +25,7 @@ def _offloader():
 
 def _evict(off, pool, ids):
     for i in ids:
-        page = Page(i)
-        page.block_hash = bytes([i]) * 32
-        off.on_evict(page)
+        off.on_evict(bytes([i]) * 32, i)
     off.flush_spills(pool)
 
 
@@ -53,21 +50,21 @@ def test_spilled_pages_are_byte_exact_and_staging_is_reused():
         off.close()
 
 
-def test_a_load_returns_views_of_the_stored_objects():
+def test_a_fetch_returns_views_of_the_stored_objects():
     off, host, spec = _offloader()
     try:
         pool = torch.randint(0, 256, (4, NBYTES), dtype=torch.uint8)
         _evict(off, pool, [0, 1])
         off.drain()
         req = Request("r", list(range(40)), SamplingParams(), block_size=16, model_fp="ab12")
-        off.start_load(req, 0, [bytes([0]) * 32, bytes([1]) * 32], [False, False])
-        done = []
+        off.start_fetch(req, 0, [bytes([0]) * 32, bytes([1]) * 32], [False, False])
+        res = None
         for _ in range(100):
-            done = off.finished_loads()
-            if done:
+            res = off.take_fetch("r")
+            if res is not None:
                 break
-            off.wait_for_load(0.1)
-        (res,) = done
+            off.wait_for_fetch(0.1)
+        assert res is not None
         assert res.tiers == ["host", "host"]
         assert [bytes(p) for p in res.payloads] == [pool[i].numpy().tobytes() for i in (0, 1)]
         assert all(isinstance(p, memoryview) for p in res.payloads)

@@ -213,33 +213,6 @@ def test_preempted_request_goes_back_ahead_of_later_arrivals():
     assert step(s) == [("b", 5), ("c", 1)]  # b resumes first (its first page is a hit)
 
 
-def test_a_preempted_request_may_load_from_the_store_again():
-    # b used up its store loads before it ran; once preempted its pages spill like any
-    # freed cached page, so on resumption the engine's park hook must be free to look again
-    s = make_sched(num_pages=5)
-    seen = []
-
-    def park(req, device_pages):
-        seen.append((req.request_id, req.store_loads, req.store_run, len(device_pages)))
-        return False  # nothing to load in this test: admit it
-
-    s.park = park
-    a = make_req("a", range(10, 17))
-    b = make_req("b", range(50, 57))
-    s.add(a)
-    s.add(b)
-    step(s)
-    b.store_loads, b.store_run = 3, 1  # as after the engine's last allowed load
-    step(s)
-    out = s.schedule()
-    assert out.preempted == [b]
-    assert (b.store_loads, b.store_run) == (0, -1)
-    s.finish(a, RequestStatus.FINISHED_LENGTH)
-    seen.clear()
-    assert step(s) == [("b", 5)]
-    assert seen == [("b", 0, -1, 1)]  # asked with a fresh load budget
-
-
 def test_holds_are_given_up_when_nothing_else_can_run():
     # pages pinned for a waiting request (a load it has not used yet) must not wedge the
     # engine: with nothing running and the head of the queue unable to fit, they go

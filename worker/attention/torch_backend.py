@@ -108,11 +108,16 @@ class TorchAttentionBackend(AttentionBackend):
             from kvmesh.kernels.cache_write import write_kv_cache  # Triton on CUDA
 
             write_kv_cache(
-                fmt=cache.cache_format, k=k, v=v, cache=cache.views,
-                residual_k=cache.residual_k, residual_v=cache.residual_v,
-                residual_slots=meta.residual_slots, complete_pages=meta.complete_pages,
+                fmt=cache.cache_format,
+                k=k,
+                v=v,
+                cache=cache.views,
+                residual_k=cache.residual_k,
+                residual_v=cache.residual_v,
+                residual_slots=meta.residual_slots,
+                complete_pages=meta.complete_pages,
                 complete_src=meta.complete_src,
-            )  # fmt: skip
+            )
         else:
             kc, vc = cache.views["k"], cache.views["v"]
             kc[self._page_idx, self._page_off] = k.to(kc.dtype)
@@ -121,10 +126,15 @@ class TorchAttentionBackend(AttentionBackend):
         nd = meta.num_decode
         if nd and self._native is not None and not cache.quantized and q.device.type == "cpu":
             self._native(
-                q=q[:nd], fmt=cache.cache_format, cache=cache.views,
-                block_tables=meta.decode_block_tables, context_lens=meta.decode_context_lens,
-                scale=scale, sliding_window=self.sliding_window, out=out[:nd],
-            )  # fmt: skip
+                q=q[:nd],
+                fmt=cache.cache_format,
+                cache=cache.views,
+                block_tables=meta.decode_block_tables,
+                context_lens=meta.decode_context_lens,
+                scale=scale,
+                sliding_window=self.sliding_window,
+                out=out[:nd],
+            )
         elif nd:
             tables = meta.decode_block_tables  # (B, P)
             B, P = tables.shape
@@ -157,8 +167,13 @@ class TorchAttentionBackend(AttentionBackend):
                 kk = kk.view(-1, Hkv, D)[:ctx].transpose(0, 1).unsqueeze(0)  # (1, Hkv, ctx, D)
                 vv = vv.view(-1, Hkv, D)[:ctx].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(
-                qq, kk, vv, attn_mask=mask, is_causal=mask is None, scale=scale,
+                qq,
+                kk,
+                vv,
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=scale,
                 enable_gqa=G > 1,
-            )  # fmt: skip
+            )
             out[s : s + n] = o[0].transpose(0, 1)
         return out if rot is None else hadamard_transform(out, rot)

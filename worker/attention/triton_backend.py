@@ -59,33 +59,53 @@ class TritonAttentionBackend(AttentionBackend):
         res = dict(residual_k=cache.residual_k, residual_v=cache.residual_v)
         if cache.quantized:
             write_kv_cache(
-                fmt=cache.cache_format, k=k, v=v, cache=cache.views, **res,
-                residual_slots=meta.residual_slots, complete_pages=meta.complete_pages,
+                fmt=cache.cache_format,
+                k=k,
+                v=v,
+                cache=cache.views,
+                **res,
+                residual_slots=meta.residual_slots,
+                complete_pages=meta.complete_pages,
                 complete_src=meta.complete_src,
-            )  # fmt: skip
+            )
         else:
             write_kv_cache(
-                fmt=cache.cache_format, k=k, v=v, cache=cache.views,
+                fmt=cache.cache_format,
+                k=k,
+                v=v,
+                cache=cache.views,
                 slot_mapping=meta.slot_mapping,
-            )  # fmt: skip
+            )
         out = torch.empty_like(q)
         nd = meta.num_decode
         if nd:
             paged_decode_attention(
-                q=q[:nd], fmt=cache.cache_format, cache=cache.views, **res,
-                block_tables=meta.decode_block_tables, context_lens=meta.decode_context_lens,
+                q=q[:nd],
+                fmt=cache.cache_format,
+                cache=cache.views,
+                **res,
+                block_tables=meta.decode_block_tables,
+                context_lens=meta.decode_context_lens,
                 residual_slots=meta.decode_residual_slots if cache.quantized else None,
-                scale=scale, sliding_window=self.sliding_window, num_splits=self.num_splits,
+                scale=scale,
+                sliding_window=self.sliding_window,
+                num_splits=self.num_splits,
                 out=out[:nd],
-            )  # fmt: skip
+            )
         if self._prefill is not None:
             p = self._prefill
             paged_prefill_attention(
-                q=q, fmt=cache.cache_format, cache=cache.views, **res,
-                cu_seqlens_q=p["cu_seqlens_q"], context_lens=p["context_lens"],
+                q=q,
+                fmt=cache.cache_format,
+                cache=cache.views,
+                **res,
+                cu_seqlens_q=p["cu_seqlens_q"],
+                context_lens=p["context_lens"],
                 block_tables=p["block_tables"],
                 residual_slots=p["residual_slots"] if cache.quantized else None,
-                scale=scale, sliding_window=self.sliding_window,
-                max_query_len=p["max_query_len"], out=out,
-            )  # fmt: skip
+                scale=scale,
+                sliding_window=self.sliding_window,
+                max_query_len=p["max_query_len"],
+                out=out,
+            )
         return out if rot is None else hadamard_transform(out, rot)

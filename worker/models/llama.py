@@ -233,3 +233,23 @@ class LlamaForCausalLM(nn.Module):
             else:
                 x += mlp_out
         return x
+
+
+def build_model(
+    cfg: ModelConfig, src, dtype: torch.dtype, device: torch.device
+) -> LlamaForCausalLM:
+    """The model of ``cfg`` with the weights of ``src`` (a ``loader.ModelSource``), fused
+    for inference, in eval mode. Built on the meta device first: no weight is allocated
+    twice."""
+    from kvmesh.worker.models.loader import load_weights
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    # buffers made on the meta device hold garbage after to_empty; rope stays float32
+    model.model.rotary_emb.inv_freq = rope_inv_freq(cfg).to(device)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    load_weights(model, src, dtype)
+    model.fuse_projections()
+    return model.eval()

@@ -1,0 +1,170 @@
+"""The KV connector's promotion state machine, driven by the real scheduler without a model:
+a request whose prefix is in a tier waits in PROMOTING, is admitted once with its pages on
+the device byte for byte, and computes what a failed fetch could not bring."""
+
+from __future__ import annotations
+
+import torch
+
+from kvmesh.kernels.page_format import PageLayout
+from kvmesh.kvstore.events import BlockRemoved, BlockStored, EventLog
+from kvmesh.kvstore.host import HostTier
+from kvmesh.kvstore.store import TieredStore
+from kvmesh.kvstore.tier import Tier
+from kvmesh.worker.config import SchedulerConfig
+from kvmesh.worker.kv_cache import KVCacheManager
+from kvmesh.worker.kv_connector import KVConnector
+from kvmesh.worker.kv_memory import KVMemory
+from kvmesh.worker.request import Request, RequestStatus
+from kvmesh.worker.sampling_params import SamplingParams
+from kvmesh.worker.scheduler import Scheduler
+
+BS = 4
+FP = "ab12"
+LAYOUT = PageLayout("fp32", num_layers=1, num_kv_heads=1, head_size=4, block_size=BS)
+
+
+class BrokenTier(Tier):
+    """Claims every page, then fails to read it (a Redis that dies mid-request)."""
+
+    name = "redis"
+
+    def contains(self, hashes):
+        return [True] * len(hashes)
+
+    def get(self, hashes):
+        raise ConnectionError("redis went away")
+
+    def put(self, items):
+        pass
+
+    def evict(self, hashes):
+        pass
+
+
+def make(tiers, num_pages: int = 8):
+    events = EventLog("engine-0")
+    memory = KVMemory(LAYOUT, FP, num_pages, dtype=torch.float32, device=torch.device("cpu"))
+    kv = KVCacheManager(num_pages, BS, events)
+    store = TieredStore(memory.page_spec, tiers, events=events)
+    conn = KVConnector(kv, memory, store)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), kv, conn)
+    return sched, conn, memory, events
+
+
+def make_req(rid: str, tokens) -> Request:
+    return Request(rid, list(tokens), SamplingParams(max_tokens=8), BS, FP)
+
+
+def step(sched: Scheduler, conn: KVConnector) -> list[tuple[str, int]]:
+    """One engine step without a model: schedule, save evictions, postprocess."""
+    out = sched.schedule()
+    conn.save_evicted()
+    for req, n in out.scheduled:
+        req.num_computed_tokens += n
+        if req.num_computed_tokens == req.num_tokens:
+            req.append_token(1000 + req.num_tokens)
+    if not out.scheduled:
+        conn.wait_for_promotion(0.5)
+    return [(req.request_id, n) for req, n in out.scheduled]
+
+
+def run_until_scheduled(sched, conn, max_steps: int = 50) -> list[list[tuple[str, int]]]:
+    steps = []
+    for _ in range(max_steps):
+        steps.append(step(sched, conn))
+        if steps[-1]:
+            return steps
+    raise AssertionError(f"nothing was scheduled in {max_steps} steps: {steps}")
+
+
+def page_bytes(memory: KVMemory, page_id: int) -> bytes:
+    return memory.read([page_id])[0]
+
+
+def test_a_promoted_request_is_admitted_once_with_its_pages_byte_exact():
+    host = HostTier(1 << 20)
+    sched, conn, memory, events = make([host])
+    req = make_req("r", range(10, 19))  # 9 tokens: 2 full pages can be served
+    payloads = [bytes([i + 1]) * LAYOUT.page_nbytes for i in range(2)]
+    conn.store.put(list(zip(req.block_hashes[:2], payloads)))
+    seen = []
+    events.subscribe(seen.append)
+    sched.add(req)
+
+    first = sched.schedule()
+    assert first.scheduled == [] and req.status is RequestStatus.PROMOTING
+    assert list(sched.waiting) == [req]  # it waits in the queue, in its own state
+
+    steps = run_until_scheduled(sched, conn)
+    assert steps[-1] == [("r", 1)]  # only the last prompt token is computed
+    assert req.num_cached_tokens == 8 and req.cached_by_tier == {"host": 8}
+    assert sched.running == [req] and list(sched.waiting) == []
+    table = sched.kv.page_ids(req)
+    assert [page_bytes(memory, p) for p in table[:2]] == payloads
+    assert conn.metrics()["offload"]["promoted_pages"] == 2
+    # the promoted pages were published as device pages for the router
+    stored = [e for e in seen if isinstance(e, BlockStored) and e.tier == "device"]
+    assert [e.block_hash for e in stored][:2] == req.block_hashes[:2]
+    assert step(sched, conn) == [("r", 1)]  # decoding: admitted once, not twice
+    assert req.num_promotions == 1
+
+
+def test_a_failed_fetch_computes_the_prefix_instead():
+    sched, conn, _, _ = make([BrokenTier()])
+    req = make_req("r", range(10, 19))
+    sched.add(req)
+    assert sched.schedule().scheduled == [] and req.status is RequestStatus.PROMOTING
+    steps = run_until_scheduled(sched, conn)
+    assert steps[-1] == [("r", 9)]  # every prompt token computed
+    assert req.num_cached_tokens == 0 and req.status is RequestStatus.RUNNING
+    assert conn.metrics()["offload"]["promotion_errors"] == 1
+    assert step(sched, conn) == [("r", 1)]
+
+
+def test_an_abort_while_promoting_drops_the_fetch_and_its_hold():
+    host = HostTier(1 << 20)
+    sched, conn, _, _ = make([host])
+    warm = make_req("warm", range(10, 19))
+    sched.add(warm)
+    step(sched, conn)
+    sched.finish(warm, RequestStatus.FINISHED_LENGTH)
+    sched.kv.reset_prefix_cache()  # its 2 pages spill to host
+    conn.drain()
+    req = make_req("r", range(10, 19))  # its prefix is in host now, not on the device
+    sched.add(req)
+    sched.schedule()
+    assert req.status is RequestStatus.PROMOTING
+    sched.finish(req, RequestStatus.FINISHED_ABORTED)
+    assert req.status is RequestStatus.FINISHED_ABORTED
+    assert sched.kv.num_holds == 0 and conn.num_promoting == 0
+    assert not sched.has_unfinished()
+
+
+def test_a_preempted_request_may_promote_again():
+    # r used up its promotions before it ran; once preempted its pages spill like any
+    # freed cached page, so on resumption it must be free to look again
+    sched, conn, _, _ = make([HostTier(1 << 20)], num_pages=3)  # 2 usable pages
+    a = make_req("a", range(10, 14))  # one page each, nothing to promote (no full page
+    b = make_req("b", range(50, 54))  # before the last token)
+    sched.add(a)
+    sched.add(b)
+    assert step(sched, conn) == [("a", 4), ("b", 4)]
+    b.num_promotions, b.promoted_run = 3, 1  # as after its last allowed promotion
+    out = sched.schedule()  # a's 5th token needs a page: b, the newest, is preempted
+    assert out.preempted == [b]
+    assert (b.num_promotions, b.promoted_run) == (0, -1)
+
+
+def test_host_pages_are_reported_as_tier_events():
+    host = HostTier(3 * (LAYOUT.page_nbytes + 200))  # room for about 3 encoded pages
+    sched, conn, _, events = make([host])
+    seen = []
+    events.subscribe(seen.append)
+    hashes = make_req("r", range(100, 125)).block_hashes  # 6 pages
+    conn.store.put([(h, bytes(LAYOUT.page_nbytes)) for h in hashes])
+    host_stored = [e.block_hash for e in seen if isinstance(e, BlockStored) and e.tier == "host"]
+    host_removed = [e.block_hash for e in seen if isinstance(e, BlockRemoved) and e.tier == "host"]
+    assert host_stored == hashes
+    assert host_removed and set(host_removed) | set(host.keys()) == set(hashes)
+    assert [e.seq for e in seen] == list(range(len(seen)))  # one sequence for every tier
