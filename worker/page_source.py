@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvmesh.kvstore.codec import PageCodecError, decode, encode
+from kvmesh.kvstore.codec import encode
 from kvmesh.kvstore.host import HostTier
+from kvmesh.kvstore.peer import valid_pushes
 from kvmesh.worker.async_engine import AsyncEngine
 
 
@@ -48,12 +49,6 @@ class EnginePageSource:
     def accept(self, items: list[tuple[bytes, bytes]]) -> int:
         if self.host is None:
             return 0
-        good = []
-        for h, obj in items:
-            try:
-                decode(self.spec, obj)
-            except PageCodecError:
-                continue
-            good.append((h, obj))
+        good = valid_pushes(items, self.spec)
         self.store.put_encoded(good)  # reported to the router like a spill
         return len(good)
