@@ -18,7 +18,7 @@ class HostTier(Tier):
     """Encoded page objects in RAM under a byte budget, evicted least recently used first.
 
     Objects are plain ``bytes`` on the CPU. On CUDA machines pinned memory belongs to the
-    engine's copies (reused pinned buffers carry spills out of the device; a load is gathered
+    engine's copies (reused pinned buffers carry spills out of the device; a promotion is gathered
     into pinned memory and moved in one copy), so this tier holds ordinary memory and stays
     usable without CUDA.
 
@@ -27,7 +27,8 @@ class HostTier(Tier):
     (``TieredStore`` points it at the next tier). It runs after the tier's lock is released,
     in the thread whose ``put`` caused the eviction. Explicit ``evict`` calls do not reach it.
 
-    Thread-safe: the engine thread, a loader thread and a gRPC server thread may share it.
+    Thread-safe: the engine thread, the spill and fetch threads and a gRPC server thread may
+    share it.
     """
 
     name = "host"

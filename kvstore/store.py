@@ -103,7 +103,7 @@ class TieredStore:
     def lookup(self, hashes: Sequence[bytes]) -> list[str]:
         """Tier names of the longest run of pages, from the first, that some tier holds.
 
-        ``len(result)`` is the number of leading pages that can be loaded; the run stops at
+        ``len(result)`` is the number of leading pages that can be promoted; the run stops at
         the first page no tier has. ``contains`` only: no LRU change, no validation.
         """
         run: list[str] = []
