@@ -256,8 +256,8 @@ class KVCacheManager:
         """Pin ``pages`` (a reference each) for a waiting ``req`` until it is admitted
         (``allocate_slots``) or freed: the KV connector holds the device prefix of a request
         whose rest it promotes, then also the promoted pages, so that other work cannot evict
-        them before it runs. Replaces ``req``'s earlier hold. The scheduler gives holds up when it needs
-        the room (``release_newest_hold`` before preempting a running request,
+        them before it runs. Replaces ``req``'s earlier hold. The scheduler gives holds up
+        when it needs the room (``release_newest_hold`` before preempting a running request,
         ``release_holds`` when nothing can run)."""
         self.pool.acquire(pages)
         self.release_hold(req)
