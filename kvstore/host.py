@@ -18,9 +18,9 @@ class HostTier(Tier):
     """Encoded page objects in RAM under a byte budget, evicted least recently used first.
 
     Objects are plain ``bytes`` on the CPU. On CUDA machines pinned memory belongs to the
-    engine's copies (reused pinned buffers carry spills out of the device; a promotion is gathered
-    into pinned memory and moved in one copy), so this tier holds ordinary memory and stays
-    usable without CUDA.
+    engine's copies (reused pinned buffers carry spills out of the device; a promotion is
+    gathered into pinned memory and moved in one copy), so this tier holds ordinary memory
+    and stays usable without CUDA.
 
     ``on_evict`` receives every ``(hash, object)`` that leaves because of the budget, in LRU
     order, including an object too large to be stored at all: that is the write-back hook
