@@ -407,7 +407,7 @@ def _calibrate(model, name, dtype, kv_cache_dtype, redis_url, sizes, text, threa
             try:  # leave a shared Redis as it was, even after a failure: delete our pages
                 redis_tier = llm.engine.store.tiers[-1]
                 for ids in tier_prompts:
-                    redis_tier.evict(llm.engine.make_request(ids).block_hashes)
+                    redis_tier.evict(llm.engine.make_request(ids).page_hashes)
             except Exception as e:  # never mask the measurement's own error
                 log(f"could not delete the calibration's pages from Redis: {e}")
             llm.close()

@@ -16,17 +16,17 @@ from kvmesh.worker.request import Request
 
 
 class Page:
-    __slots__ = ("page_id", "ref_cnt", "block_hash", "prev", "next")
+    __slots__ = ("page_id", "ref_cnt", "page_hash", "prev", "next")
 
     def __init__(self, page_id: int):
         self.page_id = page_id
         self.ref_cnt = 0
-        self.block_hash: bytes | None = None
+        self.page_hash: bytes | None = None
         self.prev: Page | None = None
         self.next: Page | None = None
 
     def __repr__(self) -> str:
-        return f"Page({self.page_id}, ref={self.ref_cnt}, cached={self.block_hash is not None})"
+        return f"Page({self.page_id}, ref={self.ref_cnt}, cached={self.page_hash is not None})"
 
 
 class FreePageQueue:
@@ -111,20 +111,20 @@ class PagePool:
         out = []
         for _ in range(n):
             p = self.free_queue.popleft()
-            if p.block_hash is not None:
+            if p.page_hash is not None:
                 self._evict(p)
             p.ref_cnt = 1
             out.append(p)
         return out
 
     def _evict(self, page: Page) -> None:
-        h = page.block_hash
+        h = page.page_hash
         if self.cached.get(h) is page:
             if self.on_evict is not None:
                 self.on_evict(page)
             del self.cached[h]
             self.events.removed(h)
-        page.block_hash = None
+        page.page_hash = None
         self.evictions += 1
 
     def acquire(self, pages: Iterable[Page]) -> None:
@@ -145,17 +145,17 @@ class PagePool:
             if p.ref_cnt == 0:
                 self.free_queue.append(p)
 
-    def cache_page(self, page: Page, block_hash: bytes, parent: bytes | None, tokens) -> None:
-        if page.block_hash is not None:
+    def cache_page(self, page: Page, page_hash: bytes, parent: bytes | None, tokens) -> None:
+        if page.page_hash is not None:
             raise AssertionError(f"{page} already has a hash; page hashes are write-once")
-        if block_hash in self.cached:
+        if page_hash in self.cached:
             return  # another request computed the same page first: keep that one
-        page.block_hash = block_hash
-        self.cached[block_hash] = page
-        self.events.stored(block_hash, parent, tokens, len(tokens))
+        page.page_hash = page_hash
+        self.cached[page_hash] = page
+        self.events.stored(page_hash, parent, tokens, len(tokens))
 
-    def lookup(self, block_hash: bytes) -> Page | None:
-        return self.cached.get(block_hash)
+    def lookup(self, page_hash: bytes) -> Page | None:
+        return self.cached.get(page_hash)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached page that no request holds. Returns how many were dropped."""
@@ -202,7 +202,7 @@ class KVCacheManager:
             return [], 0
         max_pages = (req.num_tokens - 1) // self.block_size
         pages = []
-        for h in req.block_hashes[:max_pages]:
+        for h in req.page_hashes[:max_pages]:
             p = self.pool.lookup(h)
             if p is None:
                 break
@@ -244,11 +244,11 @@ class KVCacheManager:
         # other request can be scheduled onto the pages.
         bs = self.block_size
         start = self._num_hashed[req.request_id]
-        end = min(num_tokens // bs, len(req.block_hashes))
+        end = min(num_tokens // bs, len(req.page_hashes))
         for i in range(start, end):
-            parent = req.block_hashes[i - 1] if i else None
+            parent = req.page_hashes[i - 1] if i else None
             self.pool.cache_page(
-                owned[i], req.block_hashes[i], parent, req.all_token_ids[i * bs : (i + 1) * bs]
+                owned[i], req.page_hashes[i], parent, req.all_token_ids[i * bs : (i + 1) * bs]
             )
         self._num_hashed[req.request_id] = max(start, end)
 
@@ -309,11 +309,11 @@ class KVCacheManager:
         if listener is None:
             self.pool.on_evict = None
         else:
-            self.pool.on_evict = lambda page: listener(page.block_hash, page.page_id)
+            self.pool.on_evict = lambda page: listener(page.page_hash, page.page_id)
 
-    def cached_page(self, block_hash: bytes) -> Page | None:
+    def cached_page(self, page_hash: bytes) -> Page | None:
         """The cached page with this hash, or None. Does not modify the cache."""
-        return self.pool.lookup(block_hash)
+        return self.pool.lookup(page_hash)
 
     def cached_page_ids(self, hashes: Sequence[bytes]) -> list[int]:
         """Page ids of the cached pages with these hashes, -1 where not cached."""
@@ -341,9 +341,9 @@ class KVCacheManager:
             write([p.page_id for p in pages])
         bs = self.block_size
         for page, n in zip(pages, page_indices):
-            parent = req.block_hashes[n - 1] if n else None
+            parent = req.page_hashes[n - 1] if n else None
             self.pool.cache_page(
-                page, req.block_hashes[n], parent, req.all_token_ids[n * bs : (n + 1) * bs]
+                page, req.page_hashes[n], parent, req.all_token_ids[n * bs : (n + 1) * bs]
             )
         return pages
 

@@ -121,7 +121,7 @@ class KVConnector:
         ):
             return False
         req.num_promotions += 1
-        rest = req.block_hashes[n_device:max_pages]
+        rest = req.page_hashes[n_device:max_pages]
         # device pages past the first gap (an older part of the prompt was evicted first)
         # continue the run once the gap is promoted: hold them too
         later = [self.kv.cached_page(h) for h in rest]
@@ -152,7 +152,7 @@ class KVConnector:
         written) when it should wait for room."""
         req, kv = res.request, self.kv
         first, end = res.first_page, res.first_page + len(res.tiers)
-        hashes = req.block_hashes[first:end]
+        hashes = req.page_hashes[first:end]
         # pages the device has (held since the start, or gained meanwhile) need no copy
         todo = [
             i
@@ -184,7 +184,7 @@ class KVConnector:
         return True
 
     def _hold_run(self, req: Request, end: int) -> None:
-        pages = [p for h in req.block_hashes[:end] if (p := self.kv.cached_page(h))]
+        pages = [p for h in req.page_hashes[:end] if (p := self.kv.cached_page(h))]
         self.kv.hold(req, pages)
 
     def on_preempted(self, req: Request) -> None:

@@ -33,7 +33,7 @@ logger = logging.getLogger("kvmesh.offload")
 @dataclass
 class FetchResult:
     request: Request
-    first_page: int  # index in the request's block_hashes of the first fetched page
+    first_page: int  # index in the request's page_hashes of the first fetched page
     tiers: list[str]  # per page of the run, the tier it came from ("device": not fetched)
     # per page, its validated payload: a zero-copy view of the stored object, so the engine
     # thread's copy into the pool is the only one; None where the device holds it
@@ -80,9 +80,9 @@ class KVOffloader:
 
     # ------------------------------------------------------------ spill
 
-    def on_evict(self, block_hash: bytes, page_id: int) -> None:
+    def on_evict(self, page_hash: bytes, page_id: int) -> None:
         """The pool is about to reuse page ``page_id``'s slot; its bytes are still intact."""
-        self._evicted.append((block_hash, page_id))
+        self._evicted.append((page_hash, page_id))
 
     def flush_spills(self, kv_buffer: torch.Tensor) -> None:
         """Copy the evicted pages out of the pool now (before anything overwrites them) and

@@ -48,7 +48,7 @@ class Request:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.logprobs: list[float] = []
-        self.block_hashes: list[bytes] = hash_pages(
+        self.page_hashes: list[bytes] = hash_pages(
             self.all_token_ids, self.block_size, self.model_fp
         )
         self.generator: torch.Generator | None = None
@@ -73,9 +73,9 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
-        if self.num_tokens // self.block_size > len(self.block_hashes):
-            n = len(self.block_hashes)
-            parent = self.block_hashes[-1] if n else root_hash(self.model_fp)
-            self.block_hashes += hash_pages(
+        if self.num_tokens // self.block_size > len(self.page_hashes):
+            n = len(self.page_hashes)
+            parent = self.page_hashes[-1] if n else root_hash(self.model_fp)
+            self.page_hashes += hash_pages(
                 self.all_token_ids, self.block_size, self.model_fp, parent=parent, start_page=n
             )

@@ -111,7 +111,7 @@ class Scheduler:
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
                 for p in computed:  # pages promoted from a lower tier count for that tier
-                    tier = req.promoted_from.get(p.block_hash, "device")
+                    tier = req.promoted_from.get(p.page_hash, "device")
                     req.cached_by_tier[tier] = req.cached_by_tier.get(tier, 0) + req.block_size
                 self.kv.prefix_queries += req.num_tokens
                 self.kv.prefix_hits += num_hit

@@ -112,7 +112,7 @@ def test_attention_reads_the_quantized_pages(prompts):
     assert hit.num_cached_tokens == 96 and hit.token_ids == cold.token_ids
     # zero the value scales of the cached pages: a hit must now give other tokens
     req = eng.make_request(prompt)
-    pages = torch.tensor(eng.kv.cached_page_ids(req.block_hashes))
+    pages = torch.tensor(eng.kv.cached_page_ids(req.page_hashes))
     for layer in eng.memory.layer_caches:
         assert layer.views["v"].dtype == torch.uint8  # packed nibbles, not floats
         layer.views["v_scale"][pages] = 0

@@ -151,7 +151,7 @@ def _spill_to_redis(llm, prompt) -> list[str]:
     llm.reset_prefix_cache()
     req = llm.engine.make_request(prompt)
     eng = llm.engine
-    return [redis_key(eng.model_fp, eng.cache_format, h) for h in req.block_hashes]
+    return [redis_key(eng.model_fp, eng.cache_format, h) for h in req.page_hashes]
 
 
 @pytest.mark.parametrize("damage", ["garbage", "flipped_byte"])

@@ -30,7 +30,7 @@ def refs(kv: KVCacheManager) -> list[int]:
 
 
 def hashes(kv: KVCacheManager) -> list[bytes | None]:
-    return [p.block_hash for p in kv.pool.pages]
+    return [p.page_hash for p in kv.pool.pages]
 
 
 def allocate_prompt(kv: KVCacheManager, req: Request) -> list[int]:
@@ -122,10 +122,10 @@ def test_page_hashes_are_write_once():
     pool.cache_page(p1, h, None, [1, 2, 3, 4])
     with pytest.raises(AssertionError, match="write-once"):
         pool.cache_page(p1, b"\1" * 16, None, [1, 2, 3, 4])
-    assert p1.block_hash == h
+    assert p1.page_hash == h
     # a second page with the same content does not replace the first one in the map
     pool.cache_page(p2, h, None, [1, 2, 3, 4])
-    assert p2.block_hash is None
+    assert p2.page_hash is None
     assert pool.lookup(h) is p1
 
 
@@ -183,7 +183,7 @@ def test_allocation_takes_lru_head_and_evicts_cached_pages():
     kv.free(a)
     assert kv.pool.free_queue.page_ids() == [4, 5, 6, 7, 3, 2, 1]
     # freed pages keep their hashes and stay findable
-    assert kv.pool.pages[1].block_hash == h0 and kv.pool.pages[2].block_hash == h1
+    assert kv.pool.pages[1].page_hash == h0 and kv.pool.pages[2].page_hash == h1
     assert kv.pool.lookup(h0).page_id == 1 and kv.pool.lookup(h1).page_id == 2
     log.clear()
 
@@ -197,7 +197,7 @@ def test_allocation_takes_lru_head_and_evicts_cached_pages():
     assert allocate_prompt(kv, d) == [2]  # the older request's tail page goes first
     assert log == [BlockRemoved(seq=log[0].seq, engine_id="engine-0", block_hash=h1)]
     assert kv.pool.lookup(h1) is None
-    assert kv.pool.pages[2].block_hash is None
+    assert kv.pool.pages[2].page_hash is None
     assert kv.pool.lookup(h0).page_id == 1  # the prefix page survives
     assert kv.pool.evictions == 1
 
@@ -306,7 +306,7 @@ def test_decode_tokens_fill_and_cache_pages_incrementally():
         assert kv.allocate_slots(req, 1) == []  # still fits page 2
         req.num_computed_tokens += 1
     h = hash_pages(req.all_token_ids, BS, FP)
-    assert req.block_hashes == h
+    assert req.page_hashes == h
     assert log[1] == BlockStored(1, "engine-0", h[1], h[0], (14, 15, 16, 17), BS)
     req.append_token(18)  # 9th token: needs a third page
     new = kv.allocate_slots(req, 1)
@@ -392,7 +392,7 @@ def test_reset_prefix_cache_drops_only_unreferenced_pages():
     assert all(isinstance(e, BlockRemoved) for e in log)
     assert set(kv.pool.cached) == set(ha)
     assert kv.pool.lookup(ha[0]).page_id == 1 and kv.pool.lookup(ha[1]).page_id == 2
-    assert kv.pool.pages[4].block_hash is None and kv.pool.pages[5].block_hash is None
+    assert kv.pool.pages[4].page_hash is None and kv.pool.pages[5].page_hash is None
     assert kv.pool.free_queue.page_ids() == free_before
     assert kv.pool.reset_prefix_cache() == 0
     kv.free(a)

@@ -87,7 +87,7 @@ def test_a_promoted_request_is_admitted_once_with_its_pages_byte_exact():
     sched, conn, memory, events = make([host])
     req = make_req("r", range(10, 19))  # 9 tokens: 2 full pages can be served
     payloads = [bytes([i + 1]) * LAYOUT.page_nbytes for i in range(2)]
-    conn.store.put(list(zip(req.block_hashes[:2], payloads)))
+    conn.store.put(list(zip(req.page_hashes[:2], payloads)))
     seen = []
     events.subscribe(seen.append)
     sched.add(req)
@@ -105,7 +105,7 @@ def test_a_promoted_request_is_admitted_once_with_its_pages_byte_exact():
     assert conn.metrics()["offload"]["promoted_pages"] == 2
     # the promoted pages were published as device pages for the router
     stored = [e for e in seen if isinstance(e, BlockStored) and e.tier == "device"]
-    assert [e.block_hash for e in stored][:2] == req.block_hashes[:2]
+    assert [e.block_hash for e in stored][:2] == req.page_hashes[:2]
     assert step(sched, conn) == [("r", 1)]  # decoding: admitted once, not twice
     assert req.num_promotions == 1
 
@@ -161,7 +161,7 @@ def test_host_pages_are_reported_as_tier_events():
     sched, conn, _, events = make([host])
     seen = []
     events.subscribe(seen.append)
-    hashes = make_req("r", range(100, 125)).block_hashes  # 6 pages
+    hashes = make_req("r", range(100, 125)).page_hashes  # 6 pages
     conn.store.put([(h, bytes(LAYOUT.page_nbytes)) for h in hashes])
     host_stored = [e.block_hash for e in seen if isinstance(e, BlockStored) and e.tier == "host"]
     host_removed = [e.block_hash for e in seen if isinstance(e, BlockRemoved) and e.tier == "host"]
