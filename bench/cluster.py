@@ -10,7 +10,9 @@ is big enough for all of them only if each tenant stays on one worker, which is 
 affinity is for.
 
 Prints one JSON object: per policy, and the ratios prefix_affinity / round_robin (targets:
->= 1.3x throughput, <= 0.7x p50 TTFT).
+>= 1.3x throughput, p99 TTFT no worse, i.e. <= 1.0x). With 64 requests the nearest-rank p99
+is the slowest request (usually a cold prompt queued behind another in the first seconds),
+so it moves more between runs than the other figures.
 
     .venv/bin/python bench/cluster.py [--tenants 8] [--users 8] [--concurrency 4]
 """
@@ -158,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         out["prefix_affinity_over_round_robin"] = ratios
         out["targets_met"] = {
             "throughput_ge_1.3x": ratios["throughput"] >= 1.3,
-            "ttft_p50_le_0.7x": ratios["ttft_p50"] <= 0.7,
+            "ttft_p99_le_1.0x": ratios["ttft_p99"] <= 1.0,
         }
     print(json.dumps(out, indent=2))
     return 0

@@ -40,14 +40,15 @@ class CostModel:
       (docs/router.md) 1.0 gave 79.5% of the shared-cache bound and 0.1 gives 98%, with mean
       and p50 TTFT no worse; the load guard (on unweighted load) still keeps a hot worker
       from being piled on.
-    - ``idle_queue_weight`` 0.5: the weight of queued work instead, while some candidate is
+    - ``idle_queue_weight`` 0.25: the weight of queued work instead, while some candidate is
       idle (nothing queued, nothing running). Then waiting buys nothing: a worker could start
-      the request now. Moving there still has a price: the request's TTFT pays the recompute
-      once and the cluster pays it again as work (and as duplicated pages), while the queue
-      costs only the TTFT. So a busy worker keeps the request while its queue is shorter than
-      twice what its cache saves. (At 1.0, a burst of one tenant's requests split across
-      workers at once, each recomputing the same prefix, when waiting one prefill for the
-      first of them would have cost the same TTFT.)
+      the request now, so a busy worker keeps the request only while its queue is shorter
+      than 4x what its cache saves. Not 1.0: moving still costs the cluster the recompute
+      and a duplicate of the prefix, and at 1.0 a burst of one tenant's requests split
+      across workers at once, each recomputing the same prefix, where waiting for the first
+      one's prefill cost the same TTFT. Not 0.5: on the Mooncake trace that moved enough
+      conversations to drop prefix_affinity from 97.6% to 96.7% of the shared-cache bound;
+      0.25 keeps 97.4% with a lower p99 TTFT (docs/router.md).
     The trace simulator's profiles replace the tier and decode prices with measured values.
     """
 
@@ -56,7 +57,7 @@ class CostModel:
     peer_cost: float = 0.5
     decode_cost: float = 8.0
     queue_weight: float = 0.1
-    idle_queue_weight: float = 0.5
+    idle_queue_weight: float = 0.25
 
     def __post_init__(self) -> None:
         for name in ("host_cost", "redis_cost", "peer_cost"):

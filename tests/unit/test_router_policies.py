@@ -115,16 +115,16 @@ def test_queue_weight_scales_queued_work_against_recompute():
 
 
 def test_an_idle_worker_beats_a_cache_hit_behind_a_long_queue():
-    # w1 is idle: the queue at w0 now weighs 0.5. 3,000 queued tokens (1,500) outweigh the
-    # 1,024 the hit saves, so the request goes to the idle worker; 1,500 queued (750) do not.
+    # w1 is idle: the queue at w0 now weighs 0.25. 6,000 queued tokens (1,500) outweigh the
+    # 1,024 the hit saves, so the request goes to the idle worker; 3,000 queued (750) do not.
     pol = make_policy("prefix_affinity", rng=random.Random(0))
-    loads = {"w0": WorkerLoad(queued_prefill_tokens=3000), "w1": IDLE}
+    loads = {"w0": WorkerLoad(queued_prefill_tokens=6000), "w1": IDLE}
     d = pol.pick(REQ, {"w0": Match(device=64)}, loads)
     assert d.worker_id == "w1" and d.score("w0").total == pytest.approx(1500.0)
-    loads["w0"] = WorkerLoad(queued_prefill_tokens=1500)
+    loads["w0"] = WorkerLoad(queued_prefill_tokens=3000)
     assert pol.pick(REQ, {"w0": Match(device=64)}, loads).worker_id == "w0"
-    # the same 3,000 while nobody is idle weigh 0.1: affinity holds
-    loads = {"w0": WorkerLoad(queued_prefill_tokens=3000), "w1": WorkerLoad(running=1)}
+    # the same 6,000 while nobody is idle weigh 0.1 (600): affinity holds
+    loads = {"w0": WorkerLoad(queued_prefill_tokens=6000), "w1": WorkerLoad(running=1)}
     assert pol.pick(REQ, {"w0": Match(device=64)}, loads).worker_id == "w0"
     # a worker with one short decode left is not worth leaving for an idle one
     loads["w0"] = WorkerLoad(running=1)

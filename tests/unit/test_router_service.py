@@ -281,12 +281,13 @@ def test_a_busy_cached_worker_keeps_a_request_only_while_its_queue_is_shorter_th
     ids, hs = prompt(0, n_pages=32)  # 519 tokens, 512 of them cached at a
     core.register(info("a", next_seq=32, cached=hs))
     core.register(info("b", next_seq=0, cached=[]))
-    # a is busy with one cold 263-token prompt: waiting behind it costs less than the 512
-    # tokens its cache saves
-    core.assign("busy0", *prompt(1, n_pages=16), exclude=["b"])
+    # a is busy with two cold 263-token prompts: waiting behind them costs less than the
+    # 512 tokens its cache saves
+    for i in range(2):
+        core.assign(f"busy{i}", *prompt(1 + i, n_pages=16), exclude=["b"])
     assert core.assign("r1", ids, hs).worker_id == "a"
     core.release("r1")
-    # four cold prompts queued there (4 x 263 > 2 x 512), and b sits idle
-    for i in range(1, 4):
+    # eight cold prompts queued there (8 x 263 > 4 x 512), and b sits idle
+    for i in range(2, 8):
         core.assign(f"busy{i}", *prompt(1 + i, n_pages=16), exclude=["b"])
     assert core.assign("r2", ids, hs).worker_id == "b"
