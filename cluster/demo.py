@@ -144,8 +144,9 @@ def summarize(results: list[Result], wall: float) -> dict:
     return {
         "requests": len(results),
         "cached_fraction": sum(r.cached_tokens for r in results) / prompt,
-        # served from the worker's own cache, not pulled from the other worker
+        # served from the worker's own cache / pulled from the other worker's
         "own_cache_fraction": sum(r.by_tier.get("device", 0) for r in results) / prompt,
+        "peer_fraction": sum(r.by_tier.get("peer", 0) for r in results) / prompt,
         "ttft_mean_s": statistics.fmean(ttfts),
         "ttft_p50_s": statistics.median(ttfts),
         "ttft_max_s": ttfts[-1],
@@ -168,8 +169,9 @@ def explain(totals: dict, *, tenants: int, tenant_tokens: int, cache_tokens: int
         verdict = "fits" if need <= cache_tokens else "does not fit: the cache keeps evicting"
         lines.append(
             f"  {policy}: tenants per worker {per} -> up to {need:,} tokens of prompts per "
-            f"cache ({verdict}); {t['own_cache_fraction']:.0%} of prompt tokens came from the "
-            f"worker's own cache, {1 - t['cached_fraction']:.0%} were computed"
+            f"cache ({verdict}); of all prompt tokens {t['own_cache_fraction']:.0%} came from "
+            f"the worker's own cache, {t['peer_fraction']:.0%} were copied from the other "
+            f"worker, {1 - t['cached_fraction']:.0%} were computed"
         )
     if {"round_robin", "prefix_affinity"} <= totals.keys():
         rr, pa = totals["round_robin"], totals["prefix_affinity"]
