@@ -10,7 +10,7 @@ simulator's cost model needs:
   per output token of one request while requests decode in parallel, so it is the step time
   *at that batch size* (and at that short context).
 - ``host_s_per_token`` / ``redis_s_per_token``: a ``prefix_tokens + 1`` prompt is computed;
-  then ``tier_loads`` times it is sent again with its pages on the device, spilled from the
+  then ``tier_promotions`` times it is sent again with its pages on the device, spilled from the
   device to the tier (``reset_prefix_cache``) and sent again; (the tier TTFT - the device
   TTFT) / tokens the tier served. Both runs compute the same last token, so the difference
   is what serving the prefix from the tier costs (lookup, transfer, decode, copy-in), per
@@ -65,9 +65,9 @@ class CalibrationSizes:
     prefill_tokens: int = 2048  # prompt of each cold prefill
     prefix_tokens: int = 2048  # prefix served from host / Redis (the prompt is one longer)
     repeats: int = 5  # prompts per prefill and per tier measurement (median taken)
-    # host / Redis loads per prompt, each one sample. The first load after the prompt's cold
-    # prefill is the slow one (a load in serving follows other work); later ones are warm
-    tier_loads: int = 1
+    # host / Redis promotions per prompt, each one sample. The first after the prompt's cold
+    # prefill is the slow one (a promotion in serving follows other work); later ones are warm
+    tier_promotions: int = 1
     decode_batch: int = 32  # requests decoding together
     decode_prompt_tokens: int = 32
     decode_tokens: int = 32  # output tokens of each decoding request
@@ -92,7 +92,7 @@ QUICK = CalibrationSizes(
     prefill_tokens=256,
     prefix_tokens=256,
     repeats=2,
-    tier_loads=2,
+    tier_promotions=2,
     decode_batch=4,
     decode_prompt_tokens=16,
     decode_tokens=8,
@@ -181,12 +181,12 @@ def measure_decode(
 
 
 def measure_tier(
-    llm: LLM, tier: str, prompts: list[list[int]], loads: int, log: Callable[[str], None]
+    llm: LLM, tier: str, prompts: list[list[int]], promotions: int, log: Callable[[str], None]
 ) -> dict[str, list[float]]:
-    """Per prompt (the first is a warm-up, not returned): compute it once, then ``loads``
+    """Per prompt (the first is a warm-up, not returned): compute it once, then ``promotions``
     times: time it served from the device, spill it (``reset_prefix_cache``), time
     it served from ``tier``. Returns the raw samples and ``s_per_token`` = (tier TTFT - device
-    TTFT) / tokens the tier served, one per load."""
+    TTFT) / tokens the tier served, one per promotion."""
     out: dict[str, list[float]] = {
         "ttft_cold_s": [], "ttft_device_s": [], f"ttft_{tier}_s": [], "tier_tokens": [],
         "s_per_token": [],
@@ -197,8 +197,8 @@ def measure_tier(
         cold, _ = _timed(llm, ids)
         if i:
             out["ttft_cold_s"].append(cold)
-        for j in range(loads):
-            dev, res = _timed(llm, ids)  # the pages are on the device (computed or loaded)
+        for j in range(promotions):
+            dev, res = _timed(llm, ids)  # the pages are on the device (computed or promoted)
             if res.cached_tokens_by_tier.get("device", 0) != expect:
                 raise CalibrationError(
                     f"{tier} prompt {i}: expected {expect} device-cached tokens, got "
@@ -214,7 +214,7 @@ def measure_tier(
                 )
             per_token = (t - dev) / served
             what = f"{i}/{len(prompts) - 1}" if i else "warm-up"
-            what += f" load {j + 1}/{loads}"
+            what += f" promotion {j + 1}/{promotions}"
             log(
                 f"{tier} {what}: {served} tokens, TTFT {t:.3f}s vs device {dev:.3f}s "
                 f"(cold {cold:.2f}s): {per_token * 1e6:.1f} us/token"
@@ -392,7 +392,7 @@ def _calibrate(model, name, dtype, kv_cache_dtype, redis_url, sizes, text, threa
     log("loading the engine with a host tier")
     llm = make_llm(num_pages=tier_pages, host_cache_memory=host_bytes)
     try:
-        host = measure_tier(llm, "host", tier_prompts, sz.tier_loads, log)
+        host = measure_tier(llm, "host", tier_prompts, sz.tier_promotions, log)
     finally:
         llm.close()
     del llm
@@ -402,7 +402,7 @@ def _calibrate(model, name, dtype, kv_cache_dtype, redis_url, sizes, text, threa
         log(f"loading the engine with a Redis tier ({url})")
         llm = make_llm(num_pages=tier_pages, redis_url=url)
         try:
-            red = measure_tier(llm, "redis", tier_prompts, sz.tier_loads, log)
+            red = measure_tier(llm, "redis", tier_prompts, sz.tier_promotions, log)
         finally:
             try:  # leave a shared Redis as it was, even after a failure: delete our pages
                 redis_tier = llm.engine.store.tiers[-1]

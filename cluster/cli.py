@@ -227,7 +227,8 @@ _CALIBRATION_SIZES = {
     "prefill_tokens": "prompt tokens of each timed cold prefill (default 2048)",
     "prefix_tokens": "cached prefix served from host / Redis (default 2048)",
     "repeats": "prompts per prefill and tier measurement, median taken (default 5)",
-    "tier_loads": "host / Redis loads per prompt after its cold prefill, each a sample (default 1)",
+    "tier_promotions": "host / Redis promotions per prompt after its cold prefill, each a sample "
+    "(default 1)",
     "decode_batch": "requests decoding together (default 32)",
     "decode_prompt_tokens": "prompt tokens of each decoding request (default 32)",
     "decode_tokens": "output tokens of each decoding request (default 32)",
