@@ -29,7 +29,7 @@ from kvmesh.kvstore.codec import (
 )
 from kvmesh.kvstore.events import EventLog
 from kvmesh.kvstore.host import HostTier
-from kvmesh.kvstore.tier import Tier
+from kvmesh.kvstore.tier import Tier, locate
 
 logger = logging.getLogger(__name__)
 
@@ -115,17 +115,7 @@ class TieredStore:
 
     def locate(self, hashes: Sequence[bytes]) -> list[str | None]:
         """For every page, the first tier that holds it, or None (``contains`` only)."""
-        where: list[str | None] = [None] * len(hashes)
-        pending = list(range(len(hashes)))
-        for tier in self.tiers:
-            if not pending:
-                break
-            found = tier.contains([hashes[i] for i in pending])
-            for i, hit in zip(pending, found):
-                if hit:
-                    where[i] = tier.name
-            pending = [i for i, hit in zip(pending, found) if not hit]
-        return where
+        return locate(self.tiers, hashes)
 
     def get(self, hashes: Sequence[bytes]) -> list[tuple[str, memoryview] | None]:
         """For each hash, ``(tier name, validated payload)`` from the first tier that has a

@@ -38,3 +38,19 @@ class Tier(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections and memory."""
+
+
+def locate(tiers: Sequence[Tier], hashes: Sequence[bytes]) -> list[str | None]:
+    """For every page, the name of the first of ``tiers`` that holds it, or None. Asks each
+    tier only for what the tiers before it missed, one ``contains`` batch per tier."""
+    where: list[str | None] = [None] * len(hashes)
+    pending = list(range(len(hashes)))
+    for tier in tiers:
+        if not pending:
+            break
+        found = tier.contains([hashes[i] for i in pending])
+        for i, hit in zip(pending, found):
+            if hit:
+                where[i] = tier.name
+        pending = [i for i, hit in zip(pending, found) if not hit]
+    return where

@@ -135,23 +135,18 @@ class InferenceServicer(ipb_grpc.InferenceServicer):
     ) -> ipb.ModelInfo:
         e = self.aeng.engine  # everything read here is fixed after construction
         cfg = e.model_config
-        eos = set(cfg.eos_token_ids)
-        if e.tokenizer is not None and e.tokenizer.eos_token_id is not None:
-            eos.add(e.tokenizer.eos_token_id)
-        # the resolved cache format ("auto" is the model dtype's format)
-        kv_fmt = getattr(e, "cache_format", None) or e.cache_config.kv_cache_dtype
         return ipb.ModelInfo(
             model=e.src.name,
             fingerprint=e.model_fp,
             max_model_len=e.max_model_len,
             block_size=e.cache_config.block_size,
-            kv_cache_dtype=kv_fmt,
+            kv_cache_dtype=e.cache_format,  # resolved: "auto" is the model dtype's
             vocab_size=cfg.vocab_size,
             dtype=_TORCH_FORMATS.get(str(e.dtype), str(e.dtype)),
             num_layers=cfg.num_layers,
             num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim,
-            eos_token_ids=sorted(eos),
+            eos_token_ids=sorted(e.eos_token_ids),
             worker_id=self.worker_id,
         )
 

@@ -11,8 +11,7 @@ from typing import Protocol, runtime_checkable
 
 from kvmesh.kvstore.codec import Buffer, PageCodecError, PageSpec, decode, read_header
 from kvmesh.kvstore.hashing import PAGE_HASH_BYTES
-from kvmesh.kvstore.store import TieredStore
-from kvmesh.kvstore.tier import Tier
+from kvmesh.kvstore.tier import Tier, locate
 
 logger = logging.getLogger(__name__)
 
@@ -78,9 +77,7 @@ class TierPageSource:
         self.spec = spec
 
     def lookup(self, hashes: Sequence[bytes]) -> list[str | None]:
-        # TieredStore's walk over ``self.tiers`` (contains only). Not a TieredStore of its
-        # own: building one needs a spec and wires a host tier's spill to the next tier.
-        return TieredStore.locate(self, hashes)  # type: ignore[arg-type]
+        return locate(self.tiers, hashes)
 
     def fetch(self, hashes: Sequence[bytes]) -> list[bytes | None]:
         out: list[bytes | None] = [None] * len(hashes)
