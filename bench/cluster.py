@@ -131,10 +131,15 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         cluster = Cluster.start(
             ClusterConfig(
-                workers=a.workers, policy=policies[0], port=0, host="127.0.0.1",
-                engine_args=engine_args, log_level="WARNING", seed=a.seed,
+                workers=a.workers,
+                policy=policies[0],
+                port=0,
+                host="127.0.0.1",
+                engine_args=engine_args,
+                log_level="WARNING",
+                seed=a.seed,
             )
-        )  # fmt: skip
+        )
         out["config"]["startup_s"] = round(time.perf_counter() - t0, 1)
         with Client(cluster.endpoint, timeout=600) as client:
             client.generate_text([1, 2, 3], max_tokens=2)  # warm both paths once

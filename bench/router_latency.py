@@ -71,8 +71,10 @@ def main(argv=None) -> int:
         rng = random.Random(a.seed)
         t0 = time.perf_counter()
         idx, seqs = build_index(a.index_pages, a.workers, peer_tiers, rng)
-        print(f"[router_latency] {label}: index built in {time.perf_counter() - t0:.1f}s",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"[router_latency] {label}: index built in {time.perf_counter() - t0:.1f}s",
+            file=sys.stderr,
+        )
         policy = make_policy("prefix_affinity", rng=random.Random(a.seed))
         t_hash, t_match, t_decide, t_route = [], [], [], []
         for trial in range(a.trials):

@@ -180,9 +180,11 @@ def main() -> None:
     ap.add_argument("--turn-tokens", type=int, default=64)
     ap.add_argument("--output-tokens", type=int, default=16)
     ap.add_argument(
-        "--context-tokens", type=int, default=512,
+        "--context-tokens",
+        type=int,
+        default=512,
         help="a per-conversation document of this many tokens before the first turn (0: none)",
-    )  # fmt: skip
+    )
     ap.add_argument("--device-memory", default="1GiB", help="below the working set")
     ap.add_argument("--host-memory", default="4GiB")
     ap.add_argument("--max-num-seqs", type=int, default=16)

@@ -264,8 +264,9 @@ class WorkerActor:
                 if need_register:
                     logger.info(
                         "router %s answered %s: registering again",
-                        reply["router_id"], reply["status"],
-                    )  # fmt: skip
+                        reply["router_id"],
+                        reply["status"],
+                    )
                 if failing:
                     logger.info("router reachable again")
                 failing = False

@@ -188,9 +188,12 @@ def measure_tier(
     it served from ``tier``. Returns the raw samples and ``s_per_token`` = (tier TTFT - device
     TTFT) / tokens the tier served, one per promotion."""
     out: dict[str, list[float]] = {
-        "ttft_cold_s": [], "ttft_device_s": [], f"ttft_{tier}_s": [], "tier_tokens": [],
+        "ttft_cold_s": [],
+        "ttft_device_s": [],
+        f"ttft_{tier}_s": [],
+        "tier_tokens": [],
         "s_per_token": [],
-    }  # fmt: skip
+    }
     for i, ids in enumerate(prompts):
         expect = (len(ids) - 1) // _BLOCK * _BLOCK  # the last prompt token is always computed
         llm.reset_prefix_cache()  # spill what earlier prompts left: nothing spills while timed

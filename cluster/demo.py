@@ -107,10 +107,16 @@ def run_one(client, tenant: str, user: int, prompt: str, max_tokens: int) -> Res
             final = chunk
     e2e = time.perf_counter() - t0
     return Result(
-        tenant, user, final.worker_id, final.usage.prompt_tokens, final.usage.cached_tokens,
+        tenant,
+        user,
+        final.worker_id,
+        final.usage.prompt_tokens,
+        final.usage.cached_tokens,
         {k: v for k, v in final.usage.cached_tokens_by_tier.items() if v},
-        ttft if ttft is not None else e2e, e2e, n,
-    )  # fmt: skip
+        ttft if ttft is not None else e2e,
+        e2e,
+        n,
+    )
 
 
 def run_policy(client, requests: list, *, concurrency: int, max_tokens: int) -> tuple:
@@ -215,10 +221,14 @@ def main(argv: list[str] | None = None) -> int:
     policies = [s.strip() for s in a.policies.split(",") if s.strip()]
     port = a.port if _port_free(a.port) else 0
     cfg = ClusterConfig(
-        workers=a.workers, policy=policies[0], port=port,
+        workers=a.workers,
+        policy=policies[0],
+        port=port,
         engine_args={"kv_cache_memory": a.kv_cache_memory, "max_num_batched_tokens": 512},
-        grace_s=2.0, log_level="WARNING", seed=0,
-    )  # fmt: skip
+        grace_s=2.0,
+        log_level="WARNING",
+        seed=0,
+    )
     src = resolve_model(DEFAULT_MODEL)
     tok = Tokenizer.load(src, model_fingerprint(src))
     # every user of a tenant shares the tenant's system prompt; users arrive interleaved
@@ -235,8 +245,10 @@ def main(argv: list[str] | None = None) -> int:
         shared.append(next(i for i, (x, y) in enumerate(zip(a_ids, b_ids)) if x != y))
     random.Random(7).shuffle(requests)
 
-    print(f"starting a local Ray cluster: {a.workers} workers ({DEFAULT_MODEL}) + router ...",
-          flush=True)  # fmt: skip
+    print(
+        f"starting a local Ray cluster: {a.workers} workers ({DEFAULT_MODEL}) + router ...",
+        flush=True,
+    )
     init_ray(None, num_cpus=max(4, a.workers), log_to_driver=True)
     cluster = None
     try:
@@ -259,8 +271,10 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 totals[policy] = summarize(results, wall)
                 print()
-        print(f"{'policy':16s} {'cached':>8s} {'TTFT mean':>10s} {'TTFT p50':>9s} "
-              f"{'TTFT max':>9s} {'wall':>7s} {'req/s':>6s}")  # fmt: skip
+        print(
+            f"{'policy':16s} {'cached':>8s} {'TTFT mean':>10s} {'TTFT p50':>9s} "
+            f"{'TTFT max':>9s} {'wall':>7s} {'req/s':>6s}"
+        )
         for policy, t in totals.items():
             print(
                 f"{policy:16s} {t['cached_fraction']:8.1%} {t['ttft_mean_s'] * 1000:8.0f}ms "

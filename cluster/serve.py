@@ -232,21 +232,36 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         "serve", help="run a Ray cluster of workers behind the prefix-aware router"
     )
     s.add_argument("--workers", type=int, default=2, help="worker actors (one per GPU)")
-    s.add_argument("--policy", default="prefix_affinity",
-                   help="prefix_affinity, least_loaded or round_robin")  # fmt: skip
-    s.add_argument("--address", default=None,
-                   help="join this Ray cluster (e.g. auto, ray://head:10001); "
-                        "default: start a local one")  # fmt: skip
+    s.add_argument(
+        "--policy", default="prefix_affinity", help="prefix_affinity, least_loaded or round_robin"
+    )
+    s.add_argument(
+        "--address",
+        default=None,
+        help="join this Ray cluster (e.g. auto, ray://head:10001); default: start a local one",
+    )
     s.add_argument("--host", default="0.0.0.0", help="the router's bind address")
     s.add_argument("--port", type=int, default=DEFAULT_PORT, help="the router's port")
     s.add_argument("--worker-cpus", type=float, default=1.0, help="CPUs per worker actor")
-    s.add_argument("--worker-gpus", type=float, default=None,
-                   help="GPUs per worker actor (default: 1 if the cluster has GPUs)")  # fmt: skip
-    s.add_argument("--num-cpus", type=int, default=None,
-                   help="CPUs of a local Ray cluster (default: what the workers need)")  # fmt: skip
+    s.add_argument(
+        "--worker-gpus",
+        type=float,
+        default=None,
+        help="GPUs per worker actor (default: 1 if the cluster has GPUs)",
+    )
+    s.add_argument(
+        "--num-cpus",
+        type=int,
+        default=None,
+        help="CPUs of a local Ray cluster (default: what the workers need)",
+    )
     s.add_argument("--max-restarts", type=int, default=3, help="Ray restarts per actor")
-    s.add_argument("--grace-period", type=float, default=10.0,
-                   help="seconds in-flight streams may finish after SIGTERM/SIGINT")  # fmt: skip
+    s.add_argument(
+        "--grace-period",
+        type=float,
+        default=10.0,
+        help="seconds in-flight streams may finish after SIGTERM/SIGINT",
+    )
     s.add_argument("--name", default="kvmesh", help="prefix of the Ray actor names")
     cli._add_engine_args(s)  # the same engine flags as `kvmesh generate` and `kvmesh worker`
     s.set_defaults(func=cmd_serve)
@@ -319,8 +334,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
             print(f"  worker {wid} ({w['name']}) at {w['address']}", flush=True)
         print("Ctrl-C or SIGTERM to stop", file=sys.stderr, flush=True)
         stop.wait()
-        print(f"stopping: draining for up to {cfg.grace_s:.0f}s (again to stop now)",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"stopping: draining for up to {cfg.grace_s:.0f}s (again to stop now)",
+            file=sys.stderr,
+            flush=True,
+        )
         cluster.shutdown()
     except KeyboardInterrupt:
         if cluster is not None:

@@ -228,8 +228,12 @@ class RouterCore:
         by_tier = Counter(t for t, _ in pages)
         logger.info(
             "worker %s (%s) registered at %s: cached pages %s, stream from seq %d",
-            wid, name, rec.address, dict(by_tier) or "none", next_seq,
-        )  # fmt: skip
+            wid,
+            name,
+            rec.address,
+            dict(by_tier) or "none",
+            next_seq,
+        )
         return {"router_id": self.router_id, "status": "ok"}
 
     def publish(self, worker_id: str, rows: Sequence[EventRow], report: dict | None) -> dict:
@@ -302,9 +306,9 @@ class RouterCore:
         loads = {wid: self.load_of(wid) for wid in self.workers if wid not in skip}
         if not loads:
             raise NoWorkerError(
-                "no worker is available" + (f" (excluded after failures: {sorted(skip)})"
-                                            if skip else "")
-            )  # fmt: skip
+                "no worker is available"
+                + (f" (excluded after failures: {sorted(skip)})" if skip else "")
+            )
         req = RouteRequest(len(token_ids), page_hashes, self.block_size or 1, session_key)
         decision = pick_and_insert(self.index, self.policy, req, loads)
         chosen = decision.score(decision.worker_id)
@@ -333,10 +337,13 @@ class RouterCore:
         mine = decision.score(decision.worker_id).match
         own = mine.device + mine.host
         better = sorted(
-            (c for c in decision.candidates
-             if c.worker_id != decision.worker_id and c.match.device + c.match.host > own),
+            (
+                c
+                for c in decision.candidates
+                if c.worker_id != decision.worker_id and c.match.device + c.match.host > own
+            ),
             key=lambda c: -(c.match.device + c.match.host),
-        )  # fmt: skip
+        )
         return [a for c in better[:limit] if (a := self.address_of(c.worker_id))]
 
     def set_policy(self, name: str) -> str:

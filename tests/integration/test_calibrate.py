@@ -47,11 +47,22 @@ def test_quick_calibration_writes_a_profile_the_simulator_accepts(
         pytest.fail(f"the Mooncake trace is missing: expected it at {TRACE}")
     rc = main(
         [
-            "simulate-router", "--trace", str(TRACE), "--limit", "200", "--workers", "2",
-            "--capacity-tokens", "102400", "--policy", "prefix_affinity",
-            "--profile", str(out), "--json",
+            "simulate-router",
+            "--trace",
+            str(TRACE),
+            "--limit",
+            "200",
+            "--workers",
+            "2",
+            "--capacity-tokens",
+            "102400",
+            "--policy",
+            "prefix_affinity",
+            "--profile",
+            str(out),
+            "--json",
         ]
-    )  # fmt: skip
+    )
     assert rc == 0
     res = json.loads(capsys.readouterr().out)["prefix_affinity"]
     assert res["requests"] == 200 and res["tokens_conserved"] is True

@@ -62,9 +62,15 @@ def cluster(smol_src):
     )
     try:
         cfg = ClusterConfig(
-            workers=2, model=MODEL, engine_args=ENGINE_ARGS, host="127.0.0.1",
-            port=free_port(), grace_s=2.0, log_level="WARNING", seed=0,
-        )  # fmt: skip
+            workers=2,
+            model=MODEL,
+            engine_args=ENGINE_ARGS,
+            host="127.0.0.1",
+            port=free_port(),
+            grace_s=2.0,
+            log_level="WARNING",
+            seed=0,
+        )
         c = Cluster.start(cfg, timeout_s=300)
         try:
             yield c

@@ -145,9 +145,13 @@ def test_truncated_safetensors_is_a_clear_error(tmp_path):
     import transformers
 
     cfg = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1,
-    )  # fmt: skip
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     folder = tmp_path / "tiny"
     transformers.LlamaForCausalLM(cfg).save_pretrained(folder)
     st = folder / "model.safetensors"

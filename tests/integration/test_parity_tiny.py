@@ -82,8 +82,14 @@ def test_tiny_model_matches_transformers(tmp_path_factory, name, backend):
     """``cpu`` (the default on CPU: C decode attention and fused elementwise ops) and
     ``torch`` (the pure torch reference) both equal transformers."""
     path, hf = _make_checkpoint(tmp_path_factory, name)
-    llm = LLM(str(path), dtype="float32", num_pages=64, block_size=8, max_num_batched_tokens=24,
-              attention_backend=backend)  # fmt: skip
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        num_pages=64,
+        block_size=8,
+        max_num_batched_tokens=24,
+        attention_backend=backend,
+    )
     eng = llm.engine
     native = backend == "cpu"
     assert (eng.model.cpu_kernels is not None) == native, "the C kernels must build here"

@@ -87,9 +87,12 @@ def test_greedy_matches_fake_quantized_transformers(fmt, hf_smol, prompts):
     """One request at a time, prefilled in chunks of 40 (pages fill across chunk boundaries,
     from the residual and new tokens), then decoded: token for token."""
     llm = LLM(
-        "smollm2-135m-instruct", kv_cache_dtype=fmt, kv_cache_memory="64MiB",
-        max_num_batched_tokens=40, max_num_seqs=1,
-    )  # fmt: skip
+        "smollm2-135m-instruct",
+        kv_cache_dtype=fmt,
+        kv_cache_memory="64MiB",
+        max_num_batched_tokens=40,
+        max_num_seqs=1,
+    )
     for p in prompts:
         out = llm.generate([p], GREEDY)[0]
         assert out.token_ids == _hf_fake_quant_greedy(hf_smol, fmt, p, GREEDY.max_tokens, 40)

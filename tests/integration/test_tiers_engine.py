@@ -35,9 +35,12 @@ def host_engine(redis_server_module):
     # 66 usable pages: one 1,030-token request (65 pages) fits; the next evicts all of it
     # but its first page
     llm = LLM(
-        "smollm2-135m-instruct", num_pages=67, host_cache_memory="512MiB",
-        redis_url=redis_server_module.url, max_num_batched_tokens=512,
-    )  # fmt: skip
+        "smollm2-135m-instruct",
+        num_pages=67,
+        host_cache_memory="512MiB",
+        redis_url=redis_server_module.url,
+        max_num_batched_tokens=512,
+    )
     yield llm
     llm.close()
 
@@ -46,9 +49,12 @@ def host_engine(redis_server_module):
 def redis_engine(redis_server_module):
     # a host tier smaller than two pages: nearly everything it spills lands in Redis
     llm = LLM(
-        "smollm2-135m-instruct", kv_cache_memory="256MiB", host_cache_memory="1MiB",
-        redis_url=redis_server_module.url, max_num_batched_tokens=512,
-    )  # fmt: skip
+        "smollm2-135m-instruct",
+        kv_cache_memory="256MiB",
+        host_cache_memory="1MiB",
+        redis_url=redis_server_module.url,
+        max_num_batched_tokens=512,
+    )
     yield llm
     llm.close()
 
@@ -132,8 +138,10 @@ def test_second_process_serves_first_process_prefix(redis_server_module, prompts
     prompt = prompts[3]
     proc = subprocess.run(
         [sys.executable, "-c", _OTHER_PROCESS, redis_server_module.url, ",".join(map(str, prompt))],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0 and "spilled" in proc.stdout, proc.stderr[-2000:]
     llm = LLM("smollm2-135m-instruct", kv_cache_memory="128MiB", redis_url=redis_server_module.url)
     try:

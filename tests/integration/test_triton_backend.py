@@ -21,9 +21,11 @@ def prompts(smol_llm, shakespeare):
 
 def test_float_cache_tokens_equal_the_torch_backend(smol_llm, prompts):
     llm = LLM(
-        "smollm2-135m-instruct", kv_cache_memory="64MiB", max_num_batched_tokens=40,
+        "smollm2-135m-instruct",
+        kv_cache_memory="64MiB",
+        max_num_batched_tokens=40,
         attention_backend="triton",
-    )  # fmt: skip
+    )
     assert llm.engine.backend.name == "triton"
     got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
     assert got == [o.token_ids for o in smol_llm.generate(prompts, GREEDY)]
@@ -62,9 +64,11 @@ class _Compare(TorchAttentionBackend):
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_quantized_attention_equals_the_torch_backend_per_layer(fmt, prompts):
     llm = LLM(
-        "smollm2-135m-instruct", kv_cache_dtype=fmt, kv_cache_memory="64MiB",
+        "smollm2-135m-instruct",
+        kv_cache_dtype=fmt,
+        kv_cache_memory="64MiB",
         max_num_batched_tokens=40,
-    )  # fmt: skip
+    )
     eng = llm.engine
     eng.backend = eng.runner.backend = _Compare(sliding_window=None)
     llm.generate(prompts, GREEDY)  # chunked prefill over residual tails, batched decode

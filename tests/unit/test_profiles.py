@@ -118,9 +118,18 @@ def test_simulate_router_cli_takes_a_profile_file(tmp_path, capsys):
     if not TRACE.is_file():
         pytest.fail(f"the Mooncake trace is missing: expected it at {TRACE}")
     base = [
-        "simulate-router", "--trace", str(TRACE), "--workers", "2", "--capacity-tokens",
-        "102400", "--policy", "prefix_affinity", "--limit", "50",
-    ]  # fmt: skip
+        "simulate-router",
+        "--trace",
+        str(TRACE),
+        "--workers",
+        "2",
+        "--capacity-tokens",
+        "102400",
+        "--policy",
+        "prefix_affinity",
+        "--limit",
+        "50",
+    ]
     good = _write(tmp_path, GOOD)
     assert main([*base, "--profile", str(good)]) == 0
     assert "profile my-box" in capsys.readouterr().out

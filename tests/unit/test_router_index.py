@@ -314,8 +314,9 @@ def test_match_equals_a_per_worker_walk_under_random_events(seed):
     clock = Clock()
     index = PrefixIndex(optimistic_ttl_s=1.0, clock=clock)
     # a small universe of chained prompts sharing prefixes, so runs and tier changes overlap
-    prompts = [hash_pages([p % 3] * BS + list(range(p * 97, p * 97 + 11 * BS)), BS, FP)
-               for p in range(6)]  # fmt: skip
+    prompts = [
+        hash_pages([p % 3] * BS + list(range(p * 97, p * 97 + 11 * BS)), BS, FP) for p in range(6)
+    ]
     pages = [h for p in prompts for h in p]
     seqs: dict[str, int] = {}
     engines: dict[str, str] = {}

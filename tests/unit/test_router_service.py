@@ -29,9 +29,16 @@ def pages(n: int, start: int = 0) -> list[bytes]:
 
 def info(wid: str, *, next_seq: int, cached: list[bytes], name: str | None = None, **kw) -> dict:
     return {
-        "worker_id": wid, "name": name or wid, "address": f"{wid}:1", "model_fp": FP,
-        "block_size": BS, "next_seq": next_seq, "pages": cached, "load": {}, **kw,
-    }  # fmt: skip
+        "worker_id": wid,
+        "name": name or wid,
+        "address": f"{wid}:1",
+        "model_fp": FP,
+        "block_size": BS,
+        "next_seq": next_seq,
+        "pages": cached,
+        "load": {},
+        **kw,
+    }
 
 
 def stored(seq: int, h: bytes) -> tuple:

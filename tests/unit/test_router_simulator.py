@@ -106,10 +106,20 @@ def test_unknown_names_list_accepted():
 def test_cli_json(capsys, trace):
     rc = main(
         [
-            "simulate-router", "--trace", str(TRACE), "--workers", "2",
-            "--capacity-tokens", "256000", "--policy", "all", "--limit", "100", "--json",
+            "simulate-router",
+            "--trace",
+            str(TRACE),
+            "--workers",
+            "2",
+            "--capacity-tokens",
+            "256000",
+            "--policy",
+            "all",
+            "--limit",
+            "100",
+            "--json",
         ]
-    )  # fmt: skip
+    )
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out) == {"round_robin", "least_loaded", "prefix_affinity"}
