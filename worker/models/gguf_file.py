@@ -1,7 +1,7 @@
 """A small, fast GGUF reader: scalar metadata, tensor descriptions, memory-mapped data.
 
 ``gguf.GGUFReader`` builds an object for every element of every metadata array, which takes
-~9 s for SmolLM2's 49K-token vocabulary. kvmesh needs only the scalar metadata and the
+seconds for a vocabulary of tens of thousands of tokens. kvmesh needs only the scalar metadata and the
 tensors, so this reader skips arrays (reading just their lengths) and memory-maps the tensor
 data; dequantization still goes through ``gguf.quants.dequantize``. The tokenizer is read by
 transformers' own GGUF path, once, and cached (worker/tokenizer.py).
