@@ -97,6 +97,7 @@ class KVConnector:
         self.block_size = kv.block_size
         # fetched runs waiting for room in the pool, by request id: (result, steps deferred)
         self._fetched: dict[str, tuple[FetchResult, int]] = {}
+        self._closed = False
         if store is not None:  # spill evicted pages down the tiers
             kv.set_evict_listener(self.offloader.on_evict)
 
@@ -232,6 +233,9 @@ class KVConnector:
         return out
 
     def close(self) -> None:
-        """Finish pending spills and release the store's threads and connections."""
+        """Finish pending spills and release the store's threads and connections (once)."""
+        if self._closed:
+            return
+        self._closed = True
         self.kv.set_evict_listener(None)
         self.offloader.close()
