@@ -98,7 +98,7 @@ class HostTier(Tier):
             self.metrics["misses"] += len(out) - hits
         return out
 
-    def put(self, items: Sequence[tuple[bytes, bytes]]) -> None:
+    def put(self, items: Sequence[tuple[bytes, bytes]]) -> list[bytes]:
         victims: list[tuple[bytes, bytes]] = []
         with self._lock:
             for h, obj in items:
@@ -119,6 +119,7 @@ class HostTier(Tier):
                     self._used -= len(vobj)
                     self.metrics["evictions"] += 1
                     victims.append((vh, vobj))
+            kept = [h for h, _ in items if h in self._objects]
         if victims and self.on_evict is not None:
             try:
                 self.on_evict(victims)
@@ -127,6 +128,7 @@ class HostTier(Tier):
                 with self._lock:
                     self.metrics["errors"] += 1
                 logger.exception("host tier: write-back of %d evicted pages failed", len(victims))
+        return kept
 
     def evict(self, hashes: Sequence[bytes]) -> None:
         with self._lock:

@@ -221,9 +221,9 @@ class RedisTier(Tier):
         )
         return list(result)
 
-    def put(self, items: Sequence[tuple[bytes, bytes]]) -> None:
+    def put(self, items: Sequence[tuple[bytes, bytes]]) -> list[bytes]:
         if not items:
-            return
+            return []
 
         def run() -> list:
             pipe = self._client.pipeline(transaction=False)
@@ -235,7 +235,7 @@ class RedisTier(Tier):
         result = self._call("SET", run)
         if result is _SKIPPED:
             self._count(puts_skipped=len(items))
-            return
+            return []
         stored = [not isinstance(r, Exception) for r in result]
         n_ok = sum(stored)
         refused = [r for r in result if isinstance(r, Exception)]
@@ -259,6 +259,7 @@ class RedisTier(Tier):
         elif not refused and self._oom_warned:
             self._oom_warned = False
             logger.info("redis tier %s accepts writes again", self.url)
+        return [h for (h, _), ok in zip(items, stored) if ok]
 
     def evict(self, hashes: Sequence[bytes]) -> None:
         if not hashes:

@@ -56,6 +56,9 @@ class TieredStore:
         self.spec = spec
         self.tiers = list(tiers)
         self.events = events
+        self._report_lock = threading.Lock()  # a put or evict and its events, in order
+        self._victims: list[tuple[bytes, bytes]] = []  # host victims awaiting write-back
+        self._deferring = False
         # A tier that receives objects from the network (PeerTier) refuses any longer than
         # this store's pages can be, before allocating for them.
         bound = max_object_bytes(spec)
@@ -79,18 +82,34 @@ class TieredStore:
     def put_encoded(self, items: Sequence[tuple[bytes, bytes]]) -> None:
         """Store ``(hash, object)`` pairs already encoded (and validated) for this store's
         spec in the first tier."""
-        if items:
-            first = self.tiers[0]
-            first.put(items)
-            self._report(first, stored=[h for h, _ in items])
+        if not items:
+            return
+        first = self.tiers[0]
+        # One put and its events at a time: the router hears of a page's removal after its
+        # storing, never before. The write-back of a HostTier's victims runs after the lock
+        # (a network call to Redis must not stall the other writer).
+        with self._report_lock:
+            self._deferring = True  # _write_back keeps the victims for after the lock
+            try:
+                kept = first.put(items)
+                self._report(first, stored=kept)
+            finally:
+                self._deferring = False
+                victims, self._victims = self._victims, []
+        self._spill_down(victims)
 
     def _write_back(self, victims: list[tuple[bytes, bytes]]) -> None:
-        """A HostTier first in line evicted these by its budget: the next tier takes them."""
-        hashes = [h for h, _ in victims]
-        self._report(self.tiers[0], removed=hashes)
-        if len(self.tiers) > 1:
-            self.tiers[1].put(victims)
-            self._report(self.tiers[1], stored=hashes)
+        """A HostTier first in line evicted these by its budget: report them gone now, and
+        hand them to the next tier (after ``put_encoded``'s lock when inside it)."""
+        self._report(self.tiers[0], removed=[h for h, _ in victims])
+        if self._deferring:
+            self._victims += victims
+        else:
+            self._spill_down(victims)
+
+    def _spill_down(self, victims: list[tuple[bytes, bytes]]) -> None:
+        if victims and len(self.tiers) > 1:
+            self._report(self.tiers[1], stored=self.tiers[1].put(victims))
 
     def _report(self, tier: Tier, stored: Sequence[bytes] = (), removed: Sequence[bytes] = ()):
         if self.events is None or tier.name not in REPORTED_TIERS:
@@ -149,8 +168,9 @@ class TieredStore:
                 out[i] = (tier.name, payload)
                 n_bytes += payload.nbytes
             if bad:
-                tier.evict(bad)
-                self._report(tier, removed=bad)
+                with self._report_lock:
+                    tier.evict(bad)
+                    self._report(tier, removed=bad)
             with self._lock:
                 c = self._counts[tier.name]
                 c["hits"] += len(pending) - len(still)
@@ -162,9 +182,10 @@ class TieredStore:
 
     def evict(self, hashes: Sequence[bytes]) -> None:
         """Drop these pages from every tier."""
-        for tier in self.tiers:
-            tier.evict(hashes)
-            self._report(tier, removed=hashes)
+        with self._report_lock:
+            for tier in self.tiers:
+                tier.evict(hashes)
+                self._report(tier, removed=hashes)
 
     def metrics(self) -> dict[str, dict[str, int]]:
         """Per tier: ``hits``, ``misses`` (pages asked of it by ``get``), ``corrupt`` (objects

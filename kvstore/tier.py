@@ -28,9 +28,10 @@ class Tier(ABC):
         """The stored objects, ``None`` for a miss. A hit counts as a use (LRU)."""
 
     @abstractmethod
-    def put(self, items: Sequence[tuple[bytes, bytes]]) -> None:
+    def put(self, items: Sequence[tuple[bytes, bytes]]) -> list[bytes]:
         """Store ``(hash, object)`` pairs, evicting by the tier's own policy when full. An
-        existing key is overwritten. Never raises for lack of room or a backend fault."""
+        existing key is overwritten. Never raises for lack of room or a backend fault.
+        Returns the hashes it holds once the put is done (what the router may be told)."""
 
     @abstractmethod
     def evict(self, hashes: Sequence[bytes]) -> None:

@@ -388,7 +388,12 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         s = self.scheduler
-        queued = sum(r.num_tokens - r.num_computed_tokens for r in s.waiting)
+        # a PROMOTING request's prefix is on its way from a tier, not queued for compute
+        queued = sum(
+            r.num_tokens - r.num_computed_tokens
+            for r in s.waiting
+            if r.status is not RequestStatus.PROMOTING
+        )
         queued += sum(
             r.num_tokens - r.num_computed_tokens
             for r in s.running

@@ -111,7 +111,7 @@ class KVConnector:
         The last prompt token is always computed, so at most ``(num_tokens - 1) //
         block_size`` pages can be served. A request looks again whenever its device run is
         shorter than what it last reached (its pages were evicted and spilled meanwhile)."""
-        if self.store is None and not req.peer_hints:
+        if self._closed or (self.store is None and not req.peer_hints):
             return False
         max_pages = (req.num_tokens - 1) // self.block_size
         n_device = len(device_pages)
@@ -135,6 +135,9 @@ class KVConnector:
         """For a PROMOTING request: True once its promoted pages are cached and held (it is
         WAITING again, to be scheduled now); False while its fetch is in flight or its run
         waits for room. ``room_needed``: requests are running and would need free pages."""
+        if self._closed:  # its fetch was dropped: it computes what it lacks
+            req.status = RequestStatus.WAITING
+            return True
         entry = self._fetched.pop(req.request_id, None)
         if entry is None:
             res = self.offloader.take_fetch(req.request_id)
@@ -233,7 +236,8 @@ class KVConnector:
         return out
 
     def close(self) -> None:
-        """Finish pending spills and release the store's threads and connections (once)."""
+        """Finish pending spills and release the store's threads and connections (once). The
+        engine goes on with its device pages only."""
         if self._closed:
             return
         self._closed = True

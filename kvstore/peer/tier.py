@@ -161,10 +161,10 @@ class PeerTier(Tier):
             self.metrics["bytes_read"] += sum(len(o) for o in out if o is not None)
         return out
 
-    def put(self, items: Sequence[tuple[bytes, bytes]]) -> None:
-        if not self.push_on_put or not items:
-            return
-        self.push(items)
+    def put(self, items: Sequence[tuple[bytes, bytes]]) -> list[bytes]:
+        if self.push_on_put and items:
+            self.push(items)
+        return []  # the pages are another worker's, which reports them itself
 
     def evict(self, hashes: Sequence[bytes]) -> None:
         return None

@@ -28,7 +28,8 @@ def test_quick_calibration_writes_a_profile_the_simulator_accepts(
     )
     err = capsys.readouterr().err
     assert rc == 0, err[-3000:]
-    for phase in ("prefill 1/2", "decode measured", "host 2/2 load 2/2", "redis 2/2 load 2/2"):
+    phases = ("prefill 1/2", "decode measured", "host 2/2 promotion 2/2", "redis 2/2 promotion 2/2")
+    for phase in phases:
         assert f"calibrate: {phase}" in err  # a progress line per phase
     data = json.loads(out.read_text())
     assert data["name"] == "t"

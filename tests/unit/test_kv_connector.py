@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from kvmesh.kernels.page_format import PageLayout
-from kvmesh.kvstore.events import BlockRemoved, BlockStored, EventLog
+from kvmesh.kvstore.events import BlockStored, EventLog
 from kvmesh.kvstore.host import HostTier
 from kvmesh.kvstore.store import TieredStore
 from kvmesh.kvstore.tier import Tier
@@ -36,7 +36,7 @@ class BrokenTier(Tier):
         raise ConnectionError("redis went away")
 
     def put(self, items):
-        pass
+        return []  # refused: nothing stored
 
     def evict(self, hashes):
         pass
@@ -142,29 +142,66 @@ def test_an_abort_while_promoting_drops_the_fetch_and_its_hold():
 
 
 def test_a_preempted_request_may_promote_again():
-    # r used up its promotions before it ran; once preempted its pages spill like any
-    # freed cached page, so on resumption it must be free to look again
-    sched, conn, _, _ = make([HostTier(1 << 20)], num_pages=3)  # 2 usable pages
-    a = make_req("a", range(10, 14))  # one page each, nothing to promote (no full page
-    b = make_req("b", range(50, 54))  # before the last token)
+    # b used up its promotions before it ran; once preempted its pages spill like any freed
+    # cached page, so on resumption it must be free to promote them back
+    sched, conn, _, _ = make([HostTier(1 << 20)], num_pages=6)  # 5 usable pages
+    a = make_req("a", range(10, 14))  # 1 page, nothing to promote; grows into a third page
+    b = make_req("b", range(50, 59))  # 9 tokens: 3 pages, 2 of them promotable
     sched.add(a)
+    assert step(sched, conn) == [("a", 4)]
     sched.add(b)
-    assert step(sched, conn) == [("a", 4), ("b", 4)]
-    b.num_promotions, b.promoted_run = 3, 1  # as after its last allowed promotion
-    out = sched.schedule()  # a's 5th token needs a page: b, the newest, is preempted
+    for _ in range(50):  # b looks in the (empty) host tier first, then computes
+        step(sched, conn)
+        if len(sched.running) == 2:
+            break
+    assert sched.running == [a, b] and b.num_promotions == 1
+    b.num_promotions = 3  # as after its last allowed promotion
+    for _ in range(10):  # decode until a needs a page that only b's can give
+        out = sched.schedule()
+        if out.preempted:
+            break
+        conn.save_evicted()
+        for req, n in out.scheduled:
+            req.num_computed_tokens += n
+            req.append_token(7)
     assert out.preempted == [b]
-    assert (b.num_promotions, b.promoted_run) == (0, -1)
+    sched.kv.reset_prefix_cache()  # b's freed pages leave the device for host
+    conn.drain()
+    sched.schedule()
+    assert b.status is RequestStatus.PROMOTING and b.num_promotions == 1  # a fresh budget
 
 
-def test_host_pages_are_reported_as_tier_events():
+def test_after_close_requests_run_from_the_device_only():
+    sched, conn, _, _ = make([HostTier(1 << 20)])
+    req = make_req("r", range(10, 19))
+    sched.add(req)
+    sched.schedule()
+    assert req.status is RequestStatus.PROMOTING
+    conn.close()
+    assert step(sched, conn) == [("r", 9)]  # the dropped fetch: it computes
+    late = make_req("late", range(10, 19))
+    sched.add(late)
+    assert step(sched, conn) == [("r", 1), ("late", 1)]  # device hits, no promotion
+
+
+def replay(events, tier: str) -> set[bytes]:
+    """What a subscriber that applies the events in order believes ``tier`` holds."""
+    held: set[bytes] = set()
+    for e in events:
+        if e.tier == tier:
+            (held.add if isinstance(e, BlockStored) else held.discard)(e.block_hash)
+    return held
+
+
+def test_host_pages_are_reported_as_tier_events_in_an_order_that_replays_exactly():
     host = HostTier(3 * (LAYOUT.page_nbytes + 200))  # room for about 3 encoded pages
-    sched, conn, _, events = make([host])
+    sched, conn, _, events = make([host, BrokenTier()])
     seen = []
     events.subscribe(seen.append)
     hashes = make_req("r", range(100, 125)).page_hashes  # 6 pages
-    conn.store.put([(h, bytes(LAYOUT.page_nbytes)) for h in hashes])
-    host_stored = [e.block_hash for e in seen if isinstance(e, BlockStored) and e.tier == "host"]
-    host_removed = [e.block_hash for e in seen if isinstance(e, BlockRemoved) and e.tier == "host"]
-    assert host_stored == hashes
-    assert host_removed and set(host_removed) | set(host.keys()) == set(hashes)
+    conn.store.put([(h, bytes(LAYOUT.page_nbytes)) for h in hashes[:2]])
+    conn.store.put([(h, bytes(LAYOUT.page_nbytes)) for h in hashes[2:]])  # evicts some
+    assert 0 < host.num_objects < len(hashes)
+    assert replay(seen, "host") == set(host.keys())  # no page reported that is not there
+    assert replay(seen, "redis") == set()  # the next tier refused the victims: no credit
     assert [e.seq for e in seen] == list(range(len(seen)))  # one sequence for every tier

@@ -1,10 +1,10 @@
 """A small, fast GGUF reader: scalar metadata, tensor descriptions, memory-mapped data.
 
-``gguf.GGUFReader`` builds an object for every element of every metadata array, which takes
-seconds for a vocabulary of tens of thousands of tokens. kvmesh needs only the scalar metadata and the
-tensors, so this reader skips arrays (reading just their lengths) and memory-maps the tensor
-data; dequantization still goes through ``gguf.quants.dequantize``. The tokenizer is read by
-transformers' own GGUF path, once, and cached (worker/tokenizer.py).
+``gguf.GGUFReader`` builds an object for every element of every metadata array, which
+takes seconds for a vocabulary of tens of thousands of tokens. kvmesh needs only the scalar
+metadata and the tensors, so this reader skips arrays (reading just their lengths) and
+memory-maps the tensor data; dequantization still goes through ``gguf.quants.dequantize``.
+The tokenizer is read by transformers' own GGUF path, once, and cached (worker/tokenizer.py).
 
 Layout (GGUF v2/v3, little-endian): magic "GGUF", u32 version, u64 tensor count, u64
 metadata count; metadata as (string key, u32 type, value); tensor infos as (string name,
