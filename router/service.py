@@ -33,7 +33,7 @@ from grpc_reflection.v1alpha import reflection
 from kvmesh.kvstore.hashing import hash_pages
 from kvmesh.protos.kvmesh.v1 import inference_pb2 as ipb
 from kvmesh.protos.kvmesh.v1 import inference_pb2_grpc as ipb_grpc
-from kvmesh.protos.serving import Drain, ServerThread, call_in_loop
+from kvmesh.protos.serving import Drain, Lifecycle, ServerThread, aio_server, call_in_loop
 from kvmesh.router.core import EventRow, RouterCore, decode_events, encode_event
 from kvmesh.router.load import to_proto
 from kvmesh.router.policies import NoWorkerError
@@ -69,7 +69,7 @@ class RouterServicer(ipb_grpc.InferenceServicer):
     async def Generate(
         self, request: ipb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[ipb.GenerateResponse]:
-        if self.srv.draining:
+        if self.srv.life.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the router is shutting down")
         ids = await self._token_ids(request, context)
         if self.core.block_size is None:  # no worker has ever registered
@@ -88,8 +88,7 @@ class RouterServicer(ipb_grpc.InferenceServicer):
         )
         session = dict(context.invocation_metadata() or ()).get(SESSION_METADATA_KEY)
         self.active[rid] = None
-        task = asyncio.current_task()
-        self.srv.inflight.add(task)
+        self.srv.life.enter()
         tried: list[str] = []
         sent = False
         code = details = None
@@ -131,7 +130,7 @@ class RouterServicer(ipb_grpc.InferenceServicer):
         finally:
             self.core.release(rid)
             self.active.pop(rid, None)
-            self.srv.inflight.discard(task)
+            self.srv.life.leave()
         await context.abort(code, details)
 
     async def _token_ids(self, request: ipb.GenerateRequest, context) -> list[int]:
@@ -201,7 +200,7 @@ class RouterServer:
         grace_s: float = 10.0,
         housekeeping_s: float = 0.25,
     ) -> None:
-        if max_message_mb < 1:
+        if max_message_mb < 1:  # checked now, not when the server starts
             raise ValueError(f"max_message_mb must be >= 1, got {max_message_mb}")
         self.core = core
         self.tokenize = tokenize
@@ -209,8 +208,7 @@ class RouterServer:
         self.max_message_mb = max_message_mb
         self.grace_s = grace_s
         self.housekeeping_s = housekeeping_s
-        self.draining = False
-        self.inflight: set[asyncio.Task] = set()
+        self.life = Lifecycle()  # draining flag and streams in flight, with the servicer
         self._channels: dict[str, tuple[str, grpc.aio.Channel, ipb_grpc.InferenceStub]] = {}
         self._server: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
@@ -246,14 +244,7 @@ class RouterServer:
         return entry[2]
 
     async def start(self) -> int:
-        limit = self.max_message_mb * 2**20
-        server = grpc.aio.server(
-            options=[
-                ("grpc.max_send_message_length", limit),
-                ("grpc.max_receive_message_length", limit),
-                ("grpc.so_reuseport", 0),
-            ]
-        )
+        server = aio_server(self.max_message_mb)
         ipb_grpc.add_InferenceServicer_to_server(RouterServicer(self), server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -273,7 +264,7 @@ class RouterServer:
         return port
 
     async def _set_health(self) -> None:
-        serving = bool(self.core.workers) and not self.draining
+        serving = bool(self.core.workers) and not self.life.draining
         if serving == self._serving:
             return
         self._serving = serving
@@ -309,10 +300,10 @@ class RouterServer:
         await self._drain.stop(self.grace_s if grace is None else grace, self._drain_and_stop)
 
     async def _drain_and_stop(self) -> None:
-        self.draining = True
+        self.life.draining = True
         await self._health.enter_graceful_shutdown()
-        logger.info("router draining: %d in-flight streams", len(self.inflight))
-        await self._drain.wait_for(self.inflight)
+        logger.info("router draining: %d in-flight streams", len(self.life.inflight))
+        await self._drain.wait_for(self.life.inflight)
         await self._server.stop(None)  # once, after the drain (protos.serving.Drain)
         for t in self._tasks:
             t.cancel()
