@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, ignore_eos=True) -> list[int]:
     """transformers' greedy continuation; with ignore_eos it never stops early."""
@@ -27,3 +29,66 @@ def text_prompts(tokenizer, text: str, lengths: list[int], stride: int = 4000) -
         assert len(ids) == n, f"text slice too short for {n} tokens"
         out.append(ids)
     return out
+
+
+def free_port() -> int:
+    """A loopback port free right now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(pred, timeout: float = 30.0, every: float = 0.1):
+    """Poll ``pred()`` until it is truthy or ``timeout`` seconds passed; its last value."""
+    import time
+
+    end = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value or time.monotonic() > end:
+            return value
+        time.sleep(every)
+
+
+@contextlib.contextmanager
+def local_cluster(engine_args: dict, model: str = "smollm2-135m-instruct", workers: int = 2):
+    """A real local Ray cluster (its own namespace) running ``kvmesh serve``'s cluster on a
+    fixed free port, so a restarted router comes back where the client looks."""
+    import uuid
+
+    import pytest
+
+    try:
+        import ray
+    except ImportError:  # never skip: a missing Ray is a broken set-up
+        pytest.fail("ray is not installed: run `make setup` (or `pip install ray`)", pytrace=False)
+
+    from kvmesh.cluster.serve import Cluster, ClusterConfig
+
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        object_store_memory=150 * 2**20,
+        namespace=f"kvmesh-test-{uuid.uuid4().hex[:6]}",
+    )
+    try:
+        cfg = ClusterConfig(
+            workers=workers,
+            model=model,
+            engine_args=engine_args,
+            host="127.0.0.1",
+            port=free_port(),
+            grace_s=2.0,
+            log_level="WARNING",
+            seed=0,
+        )
+        c = Cluster.start(cfg, timeout_s=300)
+        try:
+            yield c
+        finally:
+            c.shutdown(grace=0)
+    finally:
+        ray.shutdown()

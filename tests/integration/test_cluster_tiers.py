@@ -9,11 +9,8 @@ promoted from host RAM instead of recomputed.
 
 from __future__ import annotations
 
-import socket
-import time
-import uuid
-
 import pytest
+from helpers import local_cluster, wait_until
 
 try:
     import ray
@@ -21,7 +18,6 @@ except ImportError:  # never skip: a missing Ray is a broken set-up
     pytest.fail("ray is not installed: run `make setup` (or `pip install ray`)", pytrace=False)
 
 from kvmesh.cluster import Client
-from kvmesh.cluster.serve import Cluster, ClusterConfig
 from kvmesh.worker.tokenizer import Tokenizer
 
 MODEL = "smollm2-135m-instruct"
@@ -36,48 +32,10 @@ SHORT = dict(temperature=0, max_tokens=2, ignore_eos=True)
 PREFIX_TOKENS = 256  # 16 full pages
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_until(pred, timeout: float = 30.0, every: float = 0.1):
-    end = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value or time.monotonic() > end:
-            return value
-        time.sleep(every)
-
-
 @pytest.fixture(scope="module")
 def cluster(smol_src):
-    ray.init(
-        address="local",
-        num_cpus=4,
-        include_dashboard=False,
-        object_store_memory=150 * 2**20,
-        namespace=f"kvmesh-test-{uuid.uuid4().hex[:6]}",
-    )
-    try:
-        cfg = ClusterConfig(
-            workers=2,
-            model=MODEL,
-            engine_args=ENGINE_ARGS,
-            host="127.0.0.1",
-            port=free_port(),
-            grace_s=2.0,
-            log_level="WARNING",
-            seed=0,
-        )
-        c = Cluster.start(cfg, timeout_s=300)
-        try:
-            yield c
-        finally:
-            c.shutdown(grace=0)
-    finally:
-        ray.shutdown()
+    with local_cluster(ENGINE_ARGS, MODEL) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")

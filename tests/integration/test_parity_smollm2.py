@@ -31,7 +31,7 @@ def test_chat_prompt_text_matches_transformers(smol_llm, hf_smol):
     expected = ref[: ref.index(eos) + 1] if eos in ref else ref
     assert out.token_ids == expected
     assert "Paris" in out.text
-    assert out.finish_reason == "stop" if eos in ref else "length"
+    assert out.finish_reason == ("stop" if eos in ref else "length")
 
 
 def test_hugging_face_folder_loads_same_model_as_gguf(tmp_path, smol_llm, hf_smol):

