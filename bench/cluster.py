@@ -27,6 +27,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from machine import machine_info
+
 
 def _pct(xs: list[float], q: float) -> float:
     """Nearest-rank percentile."""
@@ -167,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             "throughput_ge_1.3x": ratios["throughput"] >= 1.3,
             "ttft_p99_le_1.0x": ratios["ttft_p99"] <= 1.0,
         }
+    out["machine"] = machine_info()  # CPU model and SIMD flags
     print(json.dumps(out, indent=2))
     return 0
 

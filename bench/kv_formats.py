@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 import torch
+from machine import machine_info
 
 from kvmesh.kernels.page_format import CACHE_FORMATS, QUANT_FORMATS, PageLayout
 from kvmesh.kernels.quant import dequantize_pages, quantize_pages
@@ -154,6 +155,7 @@ def main() -> None:
     if args.engine:
         torch.set_num_threads(engine_threads)  # the engine runs as users run it
         out["engine"] = engine_rows(args)
+    out["machine"] = machine_info()  # CPU model and SIMD flags
     print(json.dumps(out, indent=2))
 
 

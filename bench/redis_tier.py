@@ -22,6 +22,8 @@ import sys
 import tempfile
 import time
 
+from machine import machine_info
+
 from kvmesh.kvstore.codec import PageSpec, checksum, decode, encode
 from kvmesh.kvstore.redis_tier import redis_throughput
 
@@ -127,6 +129,7 @@ def main() -> None:
             proc.kill()
             proc.wait()
             tmp.cleanup()
+    out["machine"] = machine_info()  # CPU model and SIMD flags
     print(json.dumps(out, indent=1))
 
 

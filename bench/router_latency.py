@@ -23,6 +23,8 @@ import statistics
 import sys
 import time
 
+from machine import machine_info
+
 from kvmesh.kvstore.events import BlockStored
 from kvmesh.kvstore.hashing import hash_pages
 from kvmesh.router import PrefixIndex, RouteRequest, WorkerLoad, make_policy, pick_and_insert
@@ -106,6 +108,7 @@ def main(argv=None) -> int:
         for name, xs in timings:
             out[f"{label}_{name}_p50_ms"] = round(statistics.median(xs) * 1e3, 4)
             out[f"{label}_{name}_p99_ms"] = round(_pct(xs, 0.99) * 1e3, 4)
+    out["machine"] = machine_info()  # CPU model and SIMD flags
     print(json.dumps(out))
     return 0
 

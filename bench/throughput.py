@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 import torch
+from machine import machine_info
 
 DEFAULT_TEXT = Path(__file__).resolve().parents[1].parent / "shared/data/tinyshakespeare.txt"
 LENGTH_JITTER = 20  # prompt lengths are prompt_tokens +- this many tokens
@@ -510,6 +511,7 @@ def main(argv=None) -> None:
 
     result["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
     result["bench_wall_s"] = round(time.monotonic() - t_start, 1)
+    result["machine"] = machine_info()  # CPU model and SIMD flags
     print(json.dumps(result, indent=2))
 
 

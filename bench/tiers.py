@@ -31,6 +31,7 @@ import sys
 import time
 from pathlib import Path
 
+from machine import machine_info
 from redis_tier import start_redis  # bench/ is sys.path[0] when run as a script
 
 from kvmesh.kvstore.redis_tier import redis_throughput
@@ -212,6 +213,7 @@ def main() -> None:
             proc.kill()
             proc.wait()
             tmp.cleanup()
+    out["machine"] = machine_info()  # CPU model and SIMD flags
     print(json.dumps(out, indent=1))
 
 

@@ -32,6 +32,8 @@ import threading
 import time
 from pathlib import Path
 
+from machine import machine_info
+
 from kvmesh.kvstore.codec import PageSpec, encode
 from kvmesh.kvstore.host import HostTier
 from kvmesh.kvstore.peer import PeerTier, TierPageSource
@@ -265,6 +267,7 @@ def main() -> None:
     if not args.skip_ttft:
         out["peer_ttft"] = bench_peer_ttft(args)
     out["loadavg_1m"] = os.getloadavg()[0]
+    out["machine"] = machine_info()  # CPU model and SIMD flags
     print(json.dumps(out, indent=1))
 
 
