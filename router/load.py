@@ -39,7 +39,8 @@ class WorkerLoad:
 
     ``running`` / ``waiting``: requests in the scheduler's running and waiting queues (a
     request whose pages are being promoted from a tier counts as waiting).
-    ``queued_prefill_tokens``: prompt tokens admitted but not yet computed, over both queues.
+    ``queued_prefill_tokens``: prompt tokens queued for compute, over both queues (not
+    those of a request whose pages are being promoted: they come from a tier).
     ``kv_usage``: fraction of the device page pool in use, in [0, 1].
     ``num_free_pages`` / ``num_pages``: the device pool.
     ``prefix_cache_queries`` / ``prefix_cache_hits``: cumulative, in tokens.

@@ -92,3 +92,19 @@ def local_cluster(engine_args: dict, model: str = "smollm2-135m-instruct", worke
             c.shutdown(grace=0)
     finally:
         ray.shutdown()
+
+
+def restart_router(cluster, timeout: float = 120.0) -> bool:
+    """Crash the cluster's router actor (Ray restarts it) and wait until a new one answers."""
+    import ray
+
+    old_id = ray.get(cluster.router.ping.remote())
+    ray.kill(cluster.router, no_restart=False)
+
+    def restarted():
+        try:
+            return ray.get(cluster.router.ping.remote(), timeout=5) != old_id
+        except ray.exceptions.RayError:
+            return False
+
+    return wait_until(restarted, timeout=timeout)

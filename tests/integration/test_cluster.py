@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from helpers import local_cluster, wait_until
+from helpers import local_cluster, restart_router, wait_until
 
 try:
     import ray
@@ -145,16 +145,7 @@ def test_bad_input_is_invalid_argument_and_the_cluster_keeps_serving(cluster, cl
 def test_a_restarted_router_gets_the_workers_and_their_caches_back(cluster, client, texts):
     prefix = texts(5, 512)
     first = client.generate_text(prefix + texts(6, 16), **SHORT)
-    old_id = ray.get(cluster.router.ping.remote())
-    ray.kill(cluster.router, no_restart=False)  # a crash: Ray restarts the actor
-
-    def restarted():
-        try:
-            return ray.get(cluster.router.ping.remote(), timeout=5) != old_id
-        except ray.exceptions.RayError:
-            return False
-
-    assert wait_until(restarted, timeout=120)
+    assert restart_router(cluster)  # a crash: Ray restarts the actor
     # each worker notices the new router on its next report and registers with a snapshot
     st = wait_until(
         lambda: (

@@ -10,12 +10,7 @@ promoted from host RAM instead of recomputed.
 from __future__ import annotations
 
 import pytest
-from helpers import local_cluster, wait_until
-
-try:
-    import ray
-except ImportError:  # never skip: a missing Ray is a broken set-up
-    pytest.fail("ray is not installed: run `make setup` (or `pip install ray`)", pytrace=False)
+from helpers import local_cluster, restart_router, wait_until
 
 from kvmesh.cluster import Client
 from kvmesh.worker.tokenizer import Tokenizer
@@ -81,16 +76,7 @@ def test_a_worker_registers_its_host_pages(cluster):
     before = cluster.stats()["workers"]
     host_before = {w: v["index_pages"]["host"] for w, v in before.items()}
     assert any(host_before.values()), before
-    old_id = ray.get(cluster.router.ping.remote())
-    ray.kill(cluster.router, no_restart=False)  # a crash: Ray restarts the actor
-
-    def restarted():
-        try:
-            return ray.get(cluster.router.ping.remote(), timeout=5) != old_id
-        except ray.exceptions.RayError:
-            return False
-
-    assert wait_until(restarted, timeout=120)
+    assert restart_router(cluster)  # a crash: Ray restarts the actor
 
     def registered():
         ws = cluster.stats()["workers"]
