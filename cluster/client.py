@@ -50,6 +50,7 @@ SAMPLING_FIELDS = (
     "skip_special_tokens",
     "logprobs",
     "include_stop_str_in_output",
+    "cache_salt",
 )
 
 
@@ -125,6 +126,7 @@ class GenerateChunk:
     stop_reason: str | int | None = None
     usage: Usage | None = None
     worker_id: str | None = None
+    error: str | None = None  # why, when finish_reason is "error"
 
 
 @dataclass
@@ -138,6 +140,7 @@ class GenerateResult:
     stop_reason: str | int | None = None
     logprobs: list[float] | None = None
     num_chunks: int = 0
+    error: str | None = None  # why, when finish_reason is "error"
 
 
 @dataclass
@@ -189,6 +192,7 @@ def _chunk(msg: pb.GenerateResponse, want_logprobs: bool) -> GenerateChunk:
             cached_tokens_by_tier=dict(u.cached_tokens_by_tier),
         )
         c.worker_id = msg.worker_id or None
+        c.error = msg.error or None
     return c
 
 
@@ -210,7 +214,7 @@ class _Collector:
         r.num_chunks += 1
         if c.finished:
             r.finish_reason, r.usage, r.worker_id = c.finish_reason, c.usage, c.worker_id
-            r.stop_reason = c.stop_reason
+            r.stop_reason, r.error = c.stop_reason, c.error
 
     def done(self) -> GenerateResult:
         self.result.text = "".join(self.texts)

@@ -3,6 +3,10 @@
 ``h_i = blake2b(h_{i-1} || tokens of page i)`` with ``h_{-1}`` derived from the model
 fingerprint. Tokens are encoded canonically as little-endian uint32, so the same prompt gives
 the same hashes in every process and on every machine. Only full pages are hashed.
+
+A request's ``cache_salt`` (vLLM's per-request salt for tenant isolation) is mixed into
+``h_{-1}`` and so into the first page's hash, and through the chain into every later one:
+requests share cached pages only when their salts are equal (no salt is its own group).
 """
 
 from __future__ import annotations
@@ -35,13 +39,23 @@ def _encode_tokens(tokens: Sequence[int]) -> memoryview:
     return memoryview(a).cast("B")
 
 
-def root_hash(model_fp: str) -> bytes:
-    """``h_{-1}``: the parent of a prompt's first page, derived from the model fingerprint."""
+def root_hash(model_fp: str, cache_salt: str | None = None) -> bytes:
+    """``h_{-1}``: the parent of a prompt's first page, derived from the model fingerprint
+    and, when given, the request's cache salt (None and "" are both "no salt")."""
     if not model_fp:
         raise ValueError("model fingerprint must be a non-empty string")
-    return hashlib.blake2b(
-        model_fp.encode("utf-8"), digest_size=PAGE_HASH_BYTES, person=b"kvmesh-root"
-    ).digest()
+    fp = model_fp.encode("utf-8")
+    if not cache_salt:
+        return hashlib.blake2b(fp, digest_size=PAGE_HASH_BYTES, person=b"kvmesh-root").digest()
+    if not isinstance(cache_salt, str):
+        raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+    # length-prefixed, under a person of its own: no (fingerprint, salt) pair can produce an
+    # unsalted root or another pair's root
+    h = hashlib.blake2b(digest_size=PAGE_HASH_BYTES, person=b"kvmesh-salted")
+    h.update(len(fp).to_bytes(8, "little"))
+    h.update(fp)
+    h.update(cache_salt.encode("utf-8", "surrogatepass"))
+    return h.digest()
 
 
 def page_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
@@ -61,15 +75,17 @@ def hash_pages(
     *,
     parent: bytes | None = None,
     start_page: int = 0,
+    cache_salt: str | None = None,
 ) -> list[bytes]:
     """Hashes of every full page of ``token_ids`` from ``start_page`` on.
 
-    ``parent`` is the hash of page ``start_page - 1`` (``root_hash(model_fp)`` when
-    ``start_page`` is 0), which lets a caller extend a sequence's hashes incrementally.
+    ``parent`` is the hash of page ``start_page - 1`` (``root_hash(model_fp, cache_salt)``
+    when ``start_page`` is 0), which lets a caller extend a sequence's hashes incrementally;
+    ``cache_salt`` is read only when there is no ``parent``.
     """
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    h = parent if parent is not None else root_hash(model_fp)
+    h = parent if parent is not None else root_hash(model_fp, cache_salt)
     if start_page < 0:
         raise ValueError(f"start_page must be >= 0, got {start_page}")
     if parent is None and start_page != 0:

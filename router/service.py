@@ -1,11 +1,12 @@
 """The router service: the client-facing ``Inference`` gRPC service in front of the workers.
 
 Generate: tokenize (text prompts) -> page hashes (``kvstore.hashing.hash_pages``, exactly as
-the workers hash) -> ``RouterCore.assign`` (router/core.py: match, pick, optimistic insert,
-count in flight) -> the request, as token ids, to the chosen worker's ``Inference.Generate``,
-whose responses stream back unchanged: the final one names the worker and the cached tokens
-by tier. The first streamed token and the end of the stream are told to the core
-(``first_token``, ``release``), so the load it routes by includes what it has just routed.
+the workers hash, salted with the request's ``cache_salt``) -> ``RouterCore.assign``
+(router/core.py: match, pick, optimistic insert, count in flight) -> the request, as token
+ids, to the chosen worker's ``Inference.Generate``, whose responses stream back unchanged: the
+final one names the worker and the cached tokens by tier. The first streamed token and the end
+of the stream are told to the core (``first_token``, ``release``), so the load it routes by
+includes what it has just routed.
 
 ``RouterServer`` is the grpc.aio server (Inference, health, reflection) and the channels to
 the workers, over a ``RouterCore``. ``call`` runs a core method from another thread (the Ray
@@ -75,7 +76,9 @@ class RouterServicer(ipb_grpc.InferenceServicer):
         if self.core.block_size is None:  # no worker has ever registered
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is available")
         try:
-            hashes = hash_pages(ids, self.core.block_size, self.core.model_fp)
+            # salted exactly as the worker salts them: a tenant's pages match only its own
+            salt = request.sampling.cache_salt or None
+            hashes = hash_pages(ids, self.core.block_size, self.core.model_fp, cache_salt=salt)
         except ValueError as e:  # a token id outside uint32
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad token ids: {e}")
         rid = request.request_id or uuid.uuid4().hex

@@ -1,8 +1,17 @@
 """AsyncEngine: the step loop in its own thread, streaming outputs to asyncio callers.
 
-Requests are validated in the caller's thread (a bad one raises there and never reaches the
-loop); adds and aborts are handed to the engine thread through a queue, so the engine itself
-stays single-threaded.
+Requests are validated off the engine thread (a bad one raises to its caller and never
+reaches the loop); adds and aborts are handed to the engine thread through a queue, so the
+engine itself stays single-threaded.
+
+Bounds: requests handed over but not yet queued by the engine count against its
+``max_waiting`` (so a burst cannot grow the command queue past it), and at most
+``MAX_PENDING_CALLS`` ``call``s wait at once; both refuse with QueueFullError. Aborts and
+releases are never refused: each belongs to a stream that was admitted.
+
+A request that fails on its own (non-finite logits, a sampling or detokenizer error) ends
+with finish_reason "error"; only an engine-wide failure stops the loop, and then
+``on_death`` callbacks run (a server turns its health NOT_SERVING).
 """
 
 from __future__ import annotations
@@ -13,11 +22,13 @@ import queue
 import threading
 from collections.abc import AsyncIterator
 
-from kvmesh.worker.engine import LLMEngine, Prompt
+from kvmesh.worker.engine import LLMEngine, Prompt, QueueFullError
 from kvmesh.worker.outputs import RequestOutput
 from kvmesh.worker.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvmesh.async_engine")
+
+MAX_PENDING_CALLS = 256  # ``call``s handed to the engine thread and not yet answered
 
 
 class EngineDeadError(RuntimeError):
@@ -35,6 +46,9 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
         self._stopped = False
+        self._pending_adds = 0  # "add" commands sent and not yet applied (under _lock)
+        self._pending_calls = 0  # "call" commands sent and not yet run (under _lock)
+        self._on_death: list = []
         self.error: BaseException | None = None
         # the engine's stats after its latest step, and an event set whenever a request
         # finished: a load reporter reads these without waiting for a step boundary
@@ -54,14 +68,24 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs. Leaving the loop early (break, cancel) aborts it.
         ``peers``: KVTransfer addresses that may hold this prompt's pages (a router hint)."""
-        req = self.engine.make_request(prompt, params, request_id, peers=peers)
+        if isinstance(prompt, str) and len(prompt) > 4096:
+            # tokenizing a long text takes milliseconds: not on the caller's event loop
+            req = await asyncio.to_thread(
+                self.engine.make_request, prompt, params, request_id, peers=peers
+            )
+        else:
+            req = self.engine.make_request(prompt, params, request_id, peers=peers)
         q: asyncio.Queue = asyncio.Queue()
+        limit = self.engine.scheduler_config.max_waiting
         with self._lock:  # _abort_all takes the same lock: a stream is failed or never added
             if self._stopped:
                 raise EngineDeadError("the engine is shut down")
             if req.request_id in self._streams:
                 raise ValueError(f"request id {req.request_id!r} is already in use")
+            if self._pending_adds + len(self.engine.scheduler.waiting) >= limit:
+                raise QueueFullError(f"the waiting queue is full ({limit} requests)")
             self._streams[req.request_id] = (asyncio.get_running_loop(), q)
+            self._pending_adds += 1
             self._send(("add", req))
         finished = False
         try:
@@ -93,8 +117,19 @@ class AsyncEngine:
         if not self._thread.is_alive():  # else the thread may still step the engine
             self.engine.driver = None
 
+    def on_death(self, callback) -> None:
+        """Run ``callback(error)`` (on the engine thread) if the loop crashes; at once when it
+        already has."""
+        with self._lock:
+            if self.error is None:
+                self._on_death.append(callback)
+                return
+        callback(self.error)
+
     def call(self, fn, timeout: float = 30.0):
-        """Run ``fn(engine)`` on the engine thread between steps and return its result."""
+        """Run ``fn(engine)`` on the engine thread between steps and return its result.
+        Raises QueueFullError when ``MAX_PENDING_CALLS`` calls already wait, EngineDeadError
+        when the loop has stopped."""
         done = threading.Event()
         box: list = []
 
@@ -105,6 +140,14 @@ class AsyncEngine:
                 box.append((False, e))
             done.set()
 
+        with self._lock:
+            if self._stopped:
+                raise EngineDeadError("the engine is shut down")
+            if self._pending_calls >= MAX_PENDING_CALLS:
+                raise QueueFullError(
+                    f"{MAX_PENDING_CALLS} calls already wait for the engine thread"
+                )
+            self._pending_calls += 1
         self._send(("call", run))
         if not done.wait(timeout):
             raise TimeoutError("the engine thread did not answer")
@@ -132,6 +175,8 @@ class AsyncEngine:
     def _apply(self, cmd) -> bool:
         kind, arg = cmd
         if kind == "add":
+            with self._lock:
+                self._pending_adds -= 1
             try:
                 self.engine.add(arg)
             except Exception as e:
@@ -145,6 +190,8 @@ class AsyncEngine:
             with self._lock:
                 self._streams.pop(arg, None)
         elif kind == "call":
+            with self._lock:
+                self._pending_calls -= 1
             arg(self.engine)
         elif kind == "stop":
             return False
@@ -173,8 +220,15 @@ class AsyncEngine:
                     self.request_finished.set()
         except BaseException as e:  # a crash: fail every stream rather than hang it
             logger.exception("engine loop crashed")
-            self.error = e
+            with self._lock:
+                self.error = e
+                callbacks, self._on_death = self._on_death, []
             self._abort_all(EngineDeadError(f"the engine loop crashed: {e!r}"))
+            for cb in callbacks:
+                try:
+                    cb(e)
+                except Exception:
+                    logger.exception("an on_death callback failed")
 
     def _abort_all(self, err: Exception) -> None:
         with self._lock:

@@ -282,20 +282,28 @@ class LLMEngine:
             raise ValueError(
                 f"a prompt is a str or a list of token ids, got {type(prompt).__name__}"
             )
-        ids = self.tokenize(prompt)
+        try:
+            ids = self.tokenize(prompt)
+        except ValueError:
+            raise
+        except Exception as e:  # the tokenizer's own failure is this prompt's problem
+            raise ValueError(f"cannot tokenize the prompt: {type(e).__name__}: {e}") from None
         if not ids:
             raise ValueError("the prompt is empty")
+        if len(ids) >= self.max_model_len:  # before the per-token scan: a huge list is cheap
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}, "
+                f"which must leave room for at least one generated token"
+            )
         vocab = self.model_config.vocab_size
         bad = [
             t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab
         ]
         if bad:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}, "
-                f"which must leave room for at least one generated token"
-            )
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids must be in [0, {vocab}); got {bad[:5]}")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         req = Request(
             request_id=rid,
@@ -355,34 +363,56 @@ class LLMEngine:
         if not sched.scheduled:
             self.connector.wait_for_promotion(0.05)  # nothing to run: don't spin
             return []
-        to_sample, tokens, logprobs = self._run(sched)
-        return self._postprocess(to_sample, tokens, logprobs)
+        to_sample, tokens, logprobs, errors = self._run(sched)
+        return self._postprocess(to_sample, tokens, logprobs, errors)
 
-    def _run(self, sched: SchedulerOutput) -> tuple[list[Request], list[int], list]:
+    def _run(self, sched: SchedulerOutput) -> tuple[list[Request], list[int], list, list]:
         to_sample, logits = self.runner.execute(sched.scheduled)
         for req, n in sched.scheduled:
             req.num_computed_tokens += n
-        tokens, logprobs = sample(logits, to_sample) if to_sample else ([], [])
-        return to_sample, tokens, logprobs
+        tokens, logprobs, errors = sample(logits, to_sample) if to_sample else ([], [], [])
+        return to_sample, tokens, logprobs, errors
 
-    def _postprocess(self, reqs: list[Request], tokens: list[int], logprobs: list):
-        proc = self.output_processor
+    def _postprocess(self, reqs: list[Request], tokens: list[int], logprobs: list, errors: list):
         outputs = []
         now = time.monotonic()
-        for req, tok, lp in zip(reqs, tokens, logprobs):
+        for req, tok, lp, err in zip(reqs, tokens, logprobs, errors):
             if req.first_token_time is None:
                 req.first_token_time = now
-            req.append_token(tok)
-            if lp is not None:
-                req.logprobs.append(lp)
-            if req.detokenizer is not None:
-                req.detokenizer.push(tok)
-            status = proc.check_stop(req, tok)
-            if status is not None:
-                self.requests.pop(req.request_id, None)
-                self.scheduler.finish(req, status)
-            outputs.append(proc.output(req, [tok], proc.emit_text(req)))
+            if err is None:
+                try:
+                    outputs.append(self._take_token(req, tok, lp))
+                    continue
+                except Exception as e:  # a detokenizer or stop-check failure is this request's
+                    logger.exception("request %s failed after sampling", req.request_id)
+                    err = f"{type(e).__name__} while processing its output: {e}"
+            outputs.append(self._fail(req, err))
         return outputs
+
+    def _take_token(self, req: Request, tok: int, lp: float | None) -> RequestOutput:
+        proc = self.output_processor
+        req.append_token(tok)
+        if lp is not None:
+            req.logprobs.append(lp)
+        if req.detokenizer is not None:
+            req.detokenizer.push(tok)
+        status = proc.check_stop(req, tok)
+        if status is not None:
+            self.requests.pop(req.request_id, None)
+            self.scheduler.finish(req, status)
+        return proc.output(req, [tok], proc.emit_text(req))
+
+    def _fail(self, req: Request, message: str) -> RequestOutput:
+        """Finish ``req`` alone with finish_reason "error": its pages are freed, the engine
+        and every other request go on."""
+        logger.warning("request %s failed: %s", req.request_id, message)
+        req.error = message
+        if req.status.finished:  # it failed after finishing (its final text): already freed
+            req.status = RequestStatus.FINISHED_ERROR
+        else:
+            self.requests.pop(req.request_id, None)
+            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+        return self.output_processor.output(req, [], "")
 
     # ------------------------------------------------------------ stats
 

@@ -35,6 +35,7 @@ def sampling_from_proto(sp: ipb.SamplingParams) -> SamplingParams:
         if sp.HasField(name):
             kw[name] = getattr(sp, name)
     return SamplingParams(
+        cache_salt=sp.cache_salt or None,
         stop=tuple(sp.stop),
         stop_token_ids=tuple(sp.stop_token_ids),
         ignore_eos=sp.ignore_eos,
@@ -44,7 +45,8 @@ def sampling_from_proto(sp: ipb.SamplingParams) -> SamplingParams:
     )
 
 
-def _response(out: RequestOutput, worker_id: str) -> ipb.GenerateResponse:
+def response_from_output(out: RequestOutput, worker_id: str) -> ipb.GenerateResponse:
+    """The GenerateResponse for an engine output (gRPC and the HTTP API send the same)."""
     n = len(out.new_token_ids)
     msg = ipb.GenerateResponse(
         request_id=out.request_id, token_ids=out.new_token_ids, text=out.new_text
@@ -54,6 +56,8 @@ def _response(out: RequestOutput, worker_id: str) -> ipb.GenerateResponse:
     if out.finished:
         msg.finished = True
         msg.finish_reason = out.finish_reason or ""
+        if out.error:
+            msg.error = out.error
         if isinstance(out.stop_reason, str):
             msg.stop_str = out.stop_reason
         elif isinstance(out.stop_reason, int):
@@ -107,7 +111,7 @@ class InferenceServicer(ipb_grpc.InferenceServicer):
         code = details = None
         try:
             async for out in stream:
-                yield _response(out, self.worker_id)
+                yield response_from_output(out, self.worker_id)
         except QueueFullError as e:
             code, details = grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
         except ValueError as e:
@@ -159,6 +163,10 @@ class InferenceServicer(ipb_grpc.InferenceServicer):
             s = await asyncio.to_thread(self.aeng.call, LLMEngine.stats, 10.0)
         except TimeoutError:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine thread did not answer")
+        except QueueFullError as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except EngineDeadError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         return ipb.Load(
             num_requests_running=s.num_requests_running,
             num_requests_waiting=s.num_requests_waiting,

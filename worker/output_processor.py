@@ -84,4 +84,5 @@ class OutputProcessor:
             logprobs=list(req.logprobs) if req.params.logprobs else None,
             stop_reason=req.stop_reason,
             ttft_s=(req.first_token_time - req.arrival_time) if req.first_token_time else None,
+            error=req.error,
         )

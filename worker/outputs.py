@@ -18,9 +18,10 @@ class RequestOutput:
     new_token_ids: list[int]
     new_text: str
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None while running
     num_cached_tokens: int
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     logprobs: list[float] | None = None
     stop_reason: int | str | None = None
     ttft_s: float | None = None  # arrival to first token
+    error: str | None = None  # why, when finish_reason is "error"

@@ -22,10 +22,13 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    # this request alone failed (non-finite logits, a sampling or detokenizer error, ...);
+    # Request.error says why, and the engine and the other requests go on
+    FINISHED_ERROR = "error"
 
     @property
     def finished(self) -> bool:
-        return self.value in ("stop", "length", "abort")
+        return self.value in ("stop", "length", "abort", "error")
 
 
 @dataclass(eq=False)
@@ -43,13 +46,15 @@ class Request:
     num_preemptions: int = 0
     first_token_time: float | None = None
     stop_reason: int | str | None = None
+    error: str | None = None  # why it finished with FINISHED_ERROR
 
     def __post_init__(self):
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.logprobs: list[float] = []
+        # the salt is mixed into the first page's hash, so it reaches every page's
         self.page_hashes: list[bytes] = hash_pages(
-            self.all_token_ids, self.block_size, self.model_fp
+            self.all_token_ids, self.block_size, self.model_fp, cache_salt=self.params.cache_salt
         )
         self.generator: torch.Generator | None = None
         if self.params.seed is not None:
@@ -75,7 +80,7 @@ class Request:
         self.all_token_ids.append(token_id)
         if self.num_tokens // self.block_size > len(self.page_hashes):
             n = len(self.page_hashes)
-            parent = self.page_hashes[-1] if n else root_hash(self.model_fp)
+            parent = self.page_hashes[-1] if n else root_hash(self.model_fp, self.params.cache_salt)
             self.page_hashes += hash_pages(
                 self.all_token_ids, self.block_size, self.model_fp, parent=parent, start_page=n
             )

@@ -22,24 +22,42 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     return logits
 
 
-def sample(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[float | None]]:
-    """logits: (S, V) float32, one row per request. Returns token ids and, where asked,
-    the sampled token's logprob under the raw distribution."""
+def sample(
+    logits: torch.Tensor, requests: list[Request]
+) -> tuple[list[int], list[float | None], list[str | None]]:
+    """logits: (S, V) float32, one row per request. Returns token ids, where asked the
+    sampled token's logprob under the raw distribution, and per row an error message (None
+    when it sampled). A row that cannot be sampled (a non-finite logit, a failed draw) fails
+    only its own request: its token is -1 and its error says why."""
+    finite = torch.isfinite(logits).all(dim=-1).tolist()  # (S,)
     greedy_ids = logits.argmax(dim=-1).tolist()
     tokens: list[int] = []
     logprobs: list[float | None] = []
+    errors: list[str | None] = []
     want_lp = any(r.params.logprobs for r in requests)
     raw_lp = torch.log_softmax(logits, dim=-1) if want_lp else None
     for i, req in enumerate(requests):
         p = req.params
-        if p.greedy:
-            tok = greedy_ids[i]
-        else:
-            row = _filter_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
-            probs = row.softmax(-1)
-            if req.generator is not None:  # seeded generators live on the CPU
-                probs = probs.cpu()
-            tok = int(torch.multinomial(probs, 1, generator=req.generator).item())
+        if not finite[i]:
+            tokens.append(-1)
+            logprobs.append(None)
+            errors.append("the model produced non-finite logits (NaN or inf) for this request")
+            continue
+        try:
+            if p.greedy:
+                tok = greedy_ids[i]
+            else:
+                row = _filter_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
+                probs = row.softmax(-1)
+                if req.generator is not None:  # seeded generators live on the CPU
+                    probs = probs.cpu()
+                tok = int(torch.multinomial(probs, 1, generator=req.generator).item())
+        except RuntimeError as e:  # e.g. a distribution that sums to 0 or is not finite
+            tokens.append(-1)
+            logprobs.append(None)
+            errors.append(f"sampling failed: {e}")
+            continue
         tokens.append(tok)
         logprobs.append(float(raw_lp[i, tok]) if p.logprobs else None)
-    return tokens, logprobs
+        errors.append(None)
+    return tokens, logprobs, errors

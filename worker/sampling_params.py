@@ -1,18 +1,55 @@
-"""Per-request sampling parameters, validated on construction."""
+"""Per-request sampling parameters, validated on construction.
+
+Validation rejects what cannot work, naming the field: a ValueError here is INVALID_ARGUMENT
+on the wire. Every list a client controls has a bound, because the engine thread walks them on
+every step (stop strings) or per request (stop token ids), and one request must not be able
+to slow the others down.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# vLLM's epsilon: a temperature below it is greedy. Dividing logits by a smaller one overflows
+# float32 to inf, and softmax of inf is NaN (the crash this bound closes).
+SAMPLING_EPS = 1e-5
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_CACHE_SALT_CHARS = 1024
+_INT64 = (-(2**63), 2**64)  # torch.Generator.manual_seed takes [-2**63, 2**64)
+_INT32_MAX = 2**31 - 1
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _finite_float(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """vLLM-shaped sampling parameters.
 
-    ``temperature=0`` is greedy. ``top_k=0`` (or -1) and ``top_p=1`` disable those filters.
-    ``seed`` makes a sampled request reproducible on its own, whatever it is batched with.
-    ``logprobs=True`` returns the log-probability of each sampled token under the model's
-    unmodified distribution (before temperature, top-k and top-p).
+    ``temperature`` below ``SAMPLING_EPS`` (1e-5; 0 included) is greedy. ``top_k=0`` (or -1)
+    and ``top_p=1`` disable those filters. ``seed`` makes a sampled request reproducible on
+    its own, whatever it is batched with. ``logprobs=True`` returns the log-probability of
+    each sampled token under the model's unmodified distribution (before temperature, top-k
+    and top-p).
+
+    ``cache_salt`` (vLLM's name and meaning) is mixed into the hash of the prompt's first
+    page, so cached pages are shared only between requests with the same salt: a tenant's
+    salt keeps other tenants from learning, through cache hits, what it sent
+    (docs/security.md). It is not sampling, but it travels with these parameters so every
+    path into the engine (gRPC, the router, HTTP, the offline API) carries it unchanged.
     """
 
     max_tokens: int = 16
@@ -26,33 +63,75 @@ class SamplingParams:
     logprobs: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    cache_salt: str | None = field(default=None, repr=False)  # a tenant secret: not in logs
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        else:
-            object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "temperature", _finite_float("temperature", self.temperature))
+        object.__setattr__(self, "top_p", _finite_float("top_p", self.top_p))
+        if self.cache_salt == "":
+            object.__setattr__(self, "cache_salt", None)  # the wire's "unset"
+        self._validate()
+
+    def _validate(self) -> None:
+        if not _is_int(self.max_tokens):
             raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if not self.temperature >= 0:  # also rejects NaN
+        if not 1 <= self.max_tokens <= _INT32_MAX:
+            raise ValueError(f"max_tokens must be in [1, {_INT32_MAX}], got {self.max_tokens}")
+        if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= _INT32_MAX:
             raise ValueError(
                 f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}"
             )
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be >= 0, got {list(self.stop_token_ids)}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (
+            not _is_int(self.seed) or not _INT64[0] <= self.seed < _INT64[1]
+        ):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(
+                f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are accepted"
+            )
+        for s in self.stop:
+            if not isinstance(s, str):
+                raise ValueError(f"stop strings must be str, got {type(s).__name__} {s!r}")
+            if not s:
+                raise ValueError("stop strings must be non-empty")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise ValueError(
+                    f"stop strings may have at most {MAX_STOP_STRING_CHARS} characters, "
+                    f"got one of {len(s)}"
+                )
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(
+                f"stop_token_ids has {len(self.stop_token_ids)} ids; at most "
+                f"{MAX_STOP_TOKEN_IDS} are accepted"
+            )
+        bad = [t for t in self.stop_token_ids if not _is_int(t) or not 0 <= t <= _INT32_MAX]
+        if bad:
+            raise ValueError(f"stop_token_ids must be integers >= 0, got {bad[:5]}")
+        for name in ("ignore_eos", "logprobs", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise ValueError(
+                f"skip_special_tokens must be a bool, got {self.skip_special_tokens!r}"
+            )
+        salt = self.cache_salt
+        if salt is not None:
+            if not isinstance(salt, str):
+                raise ValueError(f"cache_salt must be a string, got {type(salt).__name__}")
+            if len(salt) > MAX_CACHE_SALT_CHARS:
+                raise ValueError(
+                    f"cache_salt may have at most {MAX_CACHE_SALT_CHARS} characters, "
+                    f"got {len(salt)}"
+                )
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < SAMPLING_EPS

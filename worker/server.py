@@ -136,10 +136,32 @@ class WorkerServer:
             raise
         self._server = server
         self._stopped = asyncio.Event()
+        if self.engine is not None:
+            self._watch_engine()
         services, where = ", ".join(names), f"{self.host}:{port}"
         dp = f", page data plane on port {self.data_plane_port}" if self.data_plane else ""
         logger.info("worker %s serving %s on %s%s", self.worker_id, services, where, dp)
         return port
+
+    def _watch_engine(self) -> None:
+        """A dead engine loop turns health NOT_SERVING (for the whole server and Inference):
+        a standalone worker cannot serve again until it is restarted."""
+        loop = asyncio.get_running_loop()
+        health_servicer = self.health
+        to_mark = ["", ipb.DESCRIPTOR.services_by_name["Inference"].full_name]
+
+        async def mark(error: BaseException) -> None:
+            logger.error("worker %s: the engine loop died (%r): NOT_SERVING", self.worker_id, error)
+            for name in to_mark:
+                await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+        def on_death(error: BaseException) -> None:  # on the engine thread
+            try:
+                asyncio.run_coroutine_threadsafe(mark(error), loop)
+            except RuntimeError:  # the server's loop is gone: nothing left to mark
+                pass
+
+        self.engine.on_death(on_death)
 
     async def _start_grpc(self, server: grpc.aio.Server, names: list[str]) -> int:
         """Add KVTransfer, health and reflection to ``server``, bind and start it."""

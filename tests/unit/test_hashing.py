@@ -167,3 +167,31 @@ def test_bytes_input_hashes_each_byte_as_one_token():
     data = bytes(range(8))
     assert hash_pages(data, 4, FP) == hash_pages(list(data), 4, FP)
     assert len(hash_pages(bytearray(data), 4, FP)) == 2
+
+
+def test_cache_salt_changes_every_page_and_only_equal_salts_match():
+    toks = list(range(64))
+    plain = hash_pages(toks, 16, "fp")
+    a = hash_pages(toks, 16, "fp", cache_salt="tenant-a")
+    b = hash_pages(toks, 16, "fp", cache_salt="tenant-b")
+    assert hash_pages(toks, 16, "fp", cache_salt=None) == plain  # no salt: the old hashes
+    assert hash_pages(toks, 16, "fp", cache_salt="") == plain  # "" is the wire's "unset"
+    assert hash_pages(toks, 16, "fp", cache_salt="tenant-a") == a
+    # mixed into the first page, and through the chain into every later one
+    assert not set(a) & set(plain) and not set(a) & set(b) and not set(b) & set(plain)
+    assert a[0] == page_hash(root_hash("fp", "tenant-a"), toks[:16])
+
+
+def test_salted_roots_are_not_ambiguous():
+    # the fingerprint is length-prefixed: moving a character between it and the salt changes
+    # the root
+    assert root_hash("fpX", "salt") != root_hash("fp", "Xsalt")
+    assert root_hash("fp", "s") != root_hash("fp")
+
+
+def test_incremental_hashing_keeps_the_salt_through_the_parent():
+    toks = list(range(48))
+    whole = hash_pages(toks, 16, "fp", cache_salt="t")
+    first = hash_pages(toks[:16], 16, "fp", cache_salt="t")
+    rest = hash_pages(toks, 16, "fp", parent=first[-1], start_page=1)
+    assert first + rest == whole

@@ -46,6 +46,20 @@ def make_logits(rows: int, seed: int = 0) -> torch.Tensor:
         ({"stop_token_ids": [3, -1]}, "stop_token_ids"),
         ({"seed": 1.5}, "seed"),
         ({"seed": "7"}, "seed"),
+        ({"seed": 2**64}, "seed"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"temperature": "0.5"}, "temperature"),
+        ({"top_p": float("inf")}, "top_p"),
+        ({"max_tokens": 2**40}, "max_tokens"),
+        ({"stop": [1]}, "stop"),
+        ({"stop": ["x"] * 65}, "stop"),
+        ({"stop": ["x" * 1025]}, "stop"),
+        ({"stop_token_ids": [1.5]}, "stop_token_ids"),
+        ({"stop_token_ids": [2**31]}, "stop_token_ids"),
+        ({"stop_token_ids": list(range(1025))}, "stop_token_ids"),
+        ({"logprobs": 1}, "logprobs"),
+        ({"cache_salt": 7}, "cache_salt"),
+        ({"cache_salt": "s" * 1025}, "cache_salt"),
     ],
 )
 def test_sampling_params_reject_bad_values_naming_the_field(kwargs, field):
@@ -67,15 +81,69 @@ def test_sampling_params_accept_and_normalise_good_values():
         p.max_tokens = 3  # frozen
 
 
+@pytest.mark.parametrize(
+    "temperature, greedy", [(0.0, True), (1e-40, True), (9.9e-6, True), (1e-5, False), (0.5, False)]
+)
+def test_temperature_below_vllm_epsilon_is_greedy(temperature, greedy):
+    assert SamplingParams(temperature=temperature).greedy is greedy
+
+
+def test_cache_salt_is_kept_out_of_repr_and_empty_means_none():
+    p = SamplingParams(cache_salt="tenant-secret")
+    assert p.cache_salt == "tenant-secret"
+    assert "tenant-secret" not in repr(p)
+    assert SamplingParams(cache_salt="").cache_salt is None
+
+
 # ---------------------------------------------------------------- sampler
 
 
 def test_greedy_is_argmax_and_no_logprobs_unless_asked():
     logits = make_logits(5)
     reqs = [make_req(f"r{i}", temperature=0.0) for i in range(5)]
-    tokens, lps = sample(logits, reqs)
+    tokens, lps, _ = sample(logits, reqs)
     assert tokens == logits.argmax(-1).tolist()
     assert lps == [None] * 5
+
+
+def test_a_tiny_temperature_samples_the_argmax_instead_of_overflowing():
+    # 1e-40 passed validation before and crashed the engine loop: logits / 1e-40 is inf
+    logits = make_logits(3, seed=5)
+    reqs = [make_req(f"r{i}", temperature=1e-40, seed=i) for i in range(3)]
+    tokens, _, errors = sample(logits, reqs)
+    assert tokens == logits.argmax(-1).tolist()
+    assert errors == [None] * 3
+
+
+def test_a_row_that_cannot_be_sampled_fails_only_its_request():
+    logits = make_logits(4, seed=6)
+    logits[1, 7] = float("nan")  # non-finite logits (greedy would silently pick the NaN)
+    logits[2] = float("-inf")  # a distribution with no mass: multinomial raises
+    reqs = [
+        make_req("ok-greedy", temperature=0.0),
+        make_req("nan", temperature=0.0),
+        make_req("no-mass", temperature=0.8, seed=1),
+        make_req("ok-sampled", temperature=0.8, seed=2, logprobs=True),
+    ]
+    tokens, lps, errors = sample(logits, reqs)
+    assert tokens[0] == int(logits[0].argmax())
+    assert errors[0] is None and errors[3] is None
+    assert 0 <= tokens[3] < V and lps[3] is not None
+    assert tokens[1] == tokens[2] == -1
+    assert "non-finite" in errors[1]
+    assert "non-finite" in errors[2]  # -inf everywhere is caught before the draw
+
+
+def test_a_failed_draw_is_reported_not_raised(monkeypatch):
+    def boom(*a, **k):
+        raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+
+    monkeypatch.setattr(torch, "multinomial", boom)
+    reqs = [make_req("a", temperature=0.7, seed=1), make_req("b", temperature=0.0)]
+    logits = make_logits(2, seed=9)
+    tokens, _, errors = sample(logits, reqs)
+    assert tokens == [-1, int(logits[1].argmax())]
+    assert errors[0].startswith("sampling failed") and errors[1] is None
 
 
 def _draws(make, logits_row: torch.Tensor, n: int = 30) -> list[int]:
@@ -108,7 +176,7 @@ def test_seeded_sampling_is_independent_of_batch_composition():
     ]
     batched = []
     for _ in range(25):
-        toks, _ = sample(logits, [others[0], others[1], target, others[2]])
+        toks, _, _ = sample(logits, [others[0], others[1], target, others[2]])
         batched.append(toks[2])
     assert batched == alone
 
@@ -117,7 +185,7 @@ def test_top_k_one_equals_greedy():
     logits = make_logits(16, seed=7)
     reqs = [make_req(f"r{i}", temperature=1.5, top_k=1, seed=i) for i in range(16)]
     for _ in range(3):
-        tokens, _ = sample(logits, reqs)
+        tokens, _, _ = sample(logits, reqs)
         assert tokens == logits.argmax(-1).tolist()
 
 
@@ -125,7 +193,7 @@ def test_tiny_top_p_equals_greedy():
     logits = make_logits(16, seed=8)
     reqs = [make_req(f"r{i}", temperature=2.0, top_p=1e-6, seed=i) for i in range(16)]
     for _ in range(3):
-        tokens, _ = sample(logits, reqs)
+        tokens, _, _ = sample(logits, reqs)
         assert tokens == logits.argmax(-1).tolist()
 
 
@@ -152,7 +220,7 @@ def test_logprobs_are_raw_log_softmax_at_the_chosen_token():
         make_req("n", temperature=1.0, seed=3),
     ]
     raw = torch.log_softmax(logits.double(), dim=-1)
-    tokens, lps = sample(logits, reqs)
+    tokens, lps, _ = sample(logits, reqs)
     for i in range(3):
         assert lps[i] == pytest.approx(float(raw[i, tokens[i]]), abs=1e-5)
         assert lps[i] < 0
