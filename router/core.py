@@ -121,6 +121,7 @@ class WorkerRecord:
     stream_started: bool = False
     routed: int = 0
     events: int = 0
+    metrics_address: str | None = None  # host:port of its Prometheus /metrics, if served
 
 
 class RouterCore:
@@ -160,6 +161,7 @@ class RouterCore:
         self.decisions: Counter[str] = Counter()
         self.retries = 0
         self.removed: list[dict] = []  # the most recent removals, with their reasons
+        self.metrics = None  # a router.metrics.RouterMetrics, fed as things happen
 
     def _make_policy(self, name: str):
         return make_policy(name, rng=random.Random(self._seed))
@@ -220,6 +222,7 @@ class RouterCore:
             last_heard=now,
             load=from_report(info.get("load"), now),
             stream_started=next_seq > 0,
+            metrics_address=info.get("metrics_address") or None,
         )
         old = self.workers.get(wid)
         if old is not None:
@@ -241,6 +244,8 @@ class RouterCore:
         ``unknown`` (register first) or ``resync`` (the index lost track: register again)."""
         rec = self.workers.get(worker_id)
         if rec is None:
+            if self.metrics is not None:
+                self.metrics.on_resync("unknown")
             return {"router_id": self.router_id, "status": "unknown"}
         now = self._clock()
         rec.last_heard = now
@@ -251,6 +256,8 @@ class RouterCore:
             rec.events += len(rows)
             rec.stream_started = True
         if rec.stream_started and self.index.is_resyncing(worker_id):
+            if self.metrics is not None:
+                self.metrics.on_resync("resync")
             return {"router_id": self.router_id, "status": "resync"}
         return {"router_id": self.router_id, "status": "ok"}
 
@@ -269,6 +276,8 @@ class RouterCore:
         if rec is None:
             return False
         logger.warning("worker %s (%s) removed: %s", worker_id, rec.name, reason)
+        if self.metrics is not None:
+            self.metrics.on_removed(reason)
         self.removed.append(
             {"worker_id": worker_id, "name": rec.name, "reason": reason, "at": time.time()}
         )
@@ -310,7 +319,12 @@ class RouterCore:
                 + (f" (excluded after failures: {sorted(skip)})" if skip else "")
             )
         req = RouteRequest(len(token_ids), page_hashes, self.block_size or 1, session_key)
+        t0 = time.perf_counter()
         decision = pick_and_insert(self.index, self.policy, req, loads)
+        if self.metrics is not None:
+            self.metrics.on_decision(
+                decision, time.perf_counter() - t0, len(token_ids), self.block_size or 1
+            )
         chosen = decision.score(decision.worker_id)
         self.inflight.begin(
             request_id,

@@ -101,6 +101,7 @@ class LLMEngine:
         self.src = resolve_model(model)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(dtype)
+        enable_metrics: bool = True,
         # validate every knob before the (slow) model load; max_model_len is settled below
         SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len or 1, max_waiting)
         self.cache_config = CacheConfig(
@@ -181,6 +182,12 @@ class LLMEngine:
             block_size,
             self.cache_format,
             self.memory.nbytes / 2**20,
+        # Prometheus metrics in a registry of this engine's own (worker/metrics.py)
+        self.metrics = None
+        if enable_metrics:
+            from kvmesh.worker.metrics import EngineMetrics
+
+            self.metrics = EngineMetrics(self, model_name=self.src.name, worker=self.engine_id)
             self.max_model_len,
             time.monotonic() - t0,
         )
@@ -367,6 +374,8 @@ class LLMEngine:
         return self._postprocess(to_sample, tokens, logprobs, errors)
 
     def _run(self, sched: SchedulerOutput) -> tuple[list[Request], list[int], list, list]:
+        if self.metrics is not None:
+            self.metrics.on_finished(req)
         to_sample, logits = self.runner.execute(sched.scheduled)
         for req, n in sched.scheduled:
             req.num_computed_tokens += n
@@ -405,6 +414,8 @@ class LLMEngine:
     def _fail(self, req: Request, message: str) -> RequestOutput:
         """Finish ``req`` alone with finish_reason "error": its pages are freed, the engine
         and every other request go on."""
+        if self.metrics is not None:
+            self.metrics.on_step(reqs, now)
         logger.warning("request %s failed: %s", req.request_id, message)
         req.error = message
         if req.status.finished:  # it failed after finishing (its final text): already freed

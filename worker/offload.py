@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -58,6 +59,8 @@ class KVOffloader:
         self._peer_stores: dict[str, TieredStore] = {}  # hinted address -> its one-tier store
         self.max_spill_backlog = max_spill_backlog
         self._spill_pool = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-spill")
+        self._peer_identity = None  # set_peer_auth: without it, no peer is contacted
+        self._peer_tls = None
         self._fetch_pool = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-fetch")
         self._evicted: list[tuple[bytes, int]] = []  # (hash, page id) awaiting a copy
         self._fetches: dict[str, Future] = {}
@@ -79,6 +82,10 @@ class KVOffloader:
         )
 
     # ------------------------------------------------------------ spill
+        self.promoted_by_tier: dict[str, int] = {}  # pages fetched for promotion, by tier
+        # called on the fetch thread after each fetch that brought pages: (seconds from
+        # start_fetch, the run's tiers); the metrics hook (worker/metrics.py)
+        self.on_promotion: Callable[[float, list[str]], None] | None = None
 
     def on_evict(self, page_hash: bytes, page_id: int) -> None:
         """The pool is about to reuse page ``page_id``'s slot; its bytes are still intact."""
@@ -167,8 +174,18 @@ class KVOffloader:
         if store is None:
             from kvmesh.kvstore.peer import PeerTier  # grpc only when a peer is named
 
-            tier = PeerTier([address], timeout=self.peer_timeout_s)
-            store = self._peer_stores[address] = TieredStore(self.spec, [tier])
+            tls = self._peer_tls
+            tier = PeerTier(
+                [address],
+                identity=self._peer_identity,
+                timeout=self.peer_timeout_s,
+                credentials=tls.channel_credentials() if tls is not None else None,
+            )
+            store = TieredStore(self.spec, [tier])
+            while len(self._peer_stores) >= MAX_PEER_STORES:
+                oldest = next(iter(self._peer_stores))
+                self._peer_stores.pop(oldest).close()
+        self._peer_stores[address] = store  # most recently used last
         return store
 
     def _fetch_run(
@@ -208,7 +225,11 @@ class KVOffloader:
             got: list = []
             if self.store is not None:
                 got = self._fetch_run(self.store, hashes, on_device)
-            for address in req.peer_hints:  # the rest, from peers the router named
+            if self._peer_identity is None:
+                hints = []  # a member may fetch only as a member; make_request refuses them
+            else:
+                hints = req.peer_hints
+            for address in hints:  # the rest, from peers the router named
                 if len(got) == len(hashes):
                     break
                 rest = slice(len(got), None)
@@ -225,7 +246,12 @@ class KVOffloader:
             self._done.set()
         with self._lock:
             self.metrics["promotions"] += 1
-            self.metrics["promoted_pages"] += sum(t != "device" for t in tiers)
+            self.metrics["promoted_pages"] += len(fetched)
+            for t in fetched:
+                self.promoted_by_tier[t] = self.promoted_by_tier.get(t, 0) + 1
+        hook = self.on_promotion
+        if hook is not None and fetched and started is not None:
+            hook(time.monotonic() - started, tiers)
         return FetchResult(req, first_page, tiers, payloads)
 
     @property
@@ -235,6 +261,7 @@ class KVOffloader:
     def cancel(self, request_id: str) -> None:
         """Forget a request's fetch (aborted); its result, if any, is dropped."""
         self._fetches.pop(request_id, None)
+        fetched = [t for t in tiers if t != "device"]
 
     def take_fetch(self, request_id: str) -> FetchResult | None:
         """The finished fetch of this request (once), or None while it is in flight."""

@@ -45,6 +45,8 @@ class Request:
     num_cached_tokens: int = -1  # set when first scheduled; -1 until then
     num_preemptions: int = 0
     first_token_time: float | None = None
+    first_scheduled_time: float | None = None  # its first admission (queue time ends)
+    last_token_time: float | None = None  # set by the metrics (inter-token latency)
     stop_reason: int | str | None = None
     error: str | None = None  # why it finished with FINISHED_ERROR
 

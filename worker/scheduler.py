@@ -14,6 +14,7 @@ waits in its own state (``PROMOTING``) in the queue, passed over until the conne
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -110,6 +111,7 @@ class Scheduler:
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
+                req.first_scheduled_time = time.monotonic()
                 for p in computed:  # pages promoted from a lower tier count for that tier
                     tier = req.promoted_from.get(p.page_hash, "device")
                     req.cached_by_tier[tier] = req.cached_by_tier.get(tier, 0) + req.block_size

@@ -42,7 +42,8 @@ class PeerTier(Tier):
     arrived whole are kept, one warning per incident (the next after it has answered again),
     ``metrics["errors"]`` counts every failed call, and the peer is skipped for
     ``cooldown_s`` so a dead address costs no time. ``metrics["data_plane_pages"]`` /
-    ``["grpc_pages"]`` count the pages each path delivered. Objects from the data plane are
+    ``["grpc_pages"]`` count the pages each path delivered, ``["data_plane_bytes"]`` /
+    ``["grpc_bytes"]`` their object bytes. Objects from the data plane are
     memoryviews into a reused receive pool (bytes-like, read by ``codec.decode`` as is; see
     ``DataPlaneClient``; an object longer than ``max_page_bytes`` is refused before memory
     is set aside for it), those from ``Fetch`` are ``bytes``.
@@ -124,6 +125,8 @@ class PeerTier(Tier):
                 )
                 if len(resp.tiers) != len(pending):
                     raise ValueError(f"{len(resp.tiers)} answers for {len(pending)} hashes")
+            "data_plane_bytes": 0,  # object bytes received, per transport (Prometheus)
+            "grpc_bytes": 0,
             except (grpc.RpcError, ValueError) as e:
                 self._fault(addr, "Lookup", e)
                 continue
@@ -255,6 +258,7 @@ class PeerTier(Tier):
     def _data_plane_client(
         self, addr: str, stub: pb_grpc.KVTransferStub, deadline: float
     ) -> tuple[DataPlaneClient | None, Exception | None]:
+                    self.metrics["data_plane_bytes"] += _nbytes(res.objects)
         """The peer's data-plane client, asking its ``DataPlane`` RPC (by ``deadline``) when
         not known yet; ``(None, None)``: it has none (or had one that failed lately), use
         Fetch."""
@@ -271,6 +275,7 @@ class PeerTier(Tier):
         if left <= 0:
             return None, TimeoutError(f"no time left of {self.timeout}s for DataPlane")
         try:
+            self.metrics["grpc_bytes"] += _nbytes(got)
             info = stub.DataPlane(pb.DataPlaneRequest(version=DATA_PLANE_VERSION), timeout=left)
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # a worker older than the data plane
@@ -371,3 +376,7 @@ def _host_of(address: str) -> str | None:
     if not sep or not host or not port.isdigit():
         return None
     return host.strip("[]")
+
+
+def _nbytes(objects: dict[int, bytes | memoryview]) -> int:
+    return sum(memoryview(o).nbytes for o in objects.values())
