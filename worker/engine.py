@@ -95,13 +95,13 @@ class LLMEngine:
         redis_url: str | None = None,
         redis_ttl_s: float | None = None,
         extra_tiers: Sequence[Tier] = (),
+        enable_metrics: bool = True,
     ):
         if envs.num_threads():
             torch.set_num_threads(envs.num_threads())
         self.src = resolve_model(model)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(dtype)
-        enable_metrics: bool = True,
         # validate every knob before the (slow) model load; max_model_len is settled below
         SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len or 1, max_waiting)
         self.cache_config = CacheConfig(
@@ -170,6 +170,12 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.driver = None  # the AsyncEngine whose thread steps this engine, if any
+        # Prometheus metrics in a registry of this engine's own (worker/metrics.py)
+        self.metrics = None
+        if enable_metrics:
+            from kvmesh.worker.metrics import EngineMetrics
+
+            self.metrics = EngineMetrics(self, model_name=self.src.name, worker=self.engine_id)
         logger.info(
             "engine %s: model %s (%s, %d layers) on %s, %d pages of %d tokens (%s, %.0f MiB), "
             "max_model_len %d, loaded in %.1fs",
@@ -182,12 +188,6 @@ class LLMEngine:
             block_size,
             self.cache_format,
             self.memory.nbytes / 2**20,
-        # Prometheus metrics in a registry of this engine's own (worker/metrics.py)
-        self.metrics = None
-        if enable_metrics:
-            from kvmesh.worker.metrics import EngineMetrics
-
-            self.metrics = EngineMetrics(self, model_name=self.src.name, worker=self.engine_id)
             self.max_model_len,
             time.monotonic() - t0,
         )
@@ -356,6 +356,8 @@ class LLMEngine:
         if req is None:
             return None
         self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        if self.metrics is not None:
+            self.metrics.on_finished(req)
         return self.output_processor.output(req, [], "")
 
     def has_unfinished_requests(self) -> bool:
@@ -374,8 +376,6 @@ class LLMEngine:
         return self._postprocess(to_sample, tokens, logprobs, errors)
 
     def _run(self, sched: SchedulerOutput) -> tuple[list[Request], list[int], list, list]:
-        if self.metrics is not None:
-            self.metrics.on_finished(req)
         to_sample, logits = self.runner.execute(sched.scheduled)
         for req, n in sched.scheduled:
             req.num_computed_tokens += n
@@ -396,6 +396,8 @@ class LLMEngine:
                     logger.exception("request %s failed after sampling", req.request_id)
                     err = f"{type(e).__name__} while processing its output: {e}"
             outputs.append(self._fail(req, err))
+        if self.metrics is not None:
+            self.metrics.on_step(reqs, now)
         return outputs
 
     def _take_token(self, req: Request, tok: int, lp: float | None) -> RequestOutput:
@@ -414,8 +416,6 @@ class LLMEngine:
     def _fail(self, req: Request, message: str) -> RequestOutput:
         """Finish ``req`` alone with finish_reason "error": its pages are freed, the engine
         and every other request go on."""
-        if self.metrics is not None:
-            self.metrics.on_step(reqs, now)
         logger.warning("request %s failed: %s", req.request_id, message)
         req.error = message
         if req.status.finished:  # it failed after finishing (its final text): already freed

@@ -59,8 +59,6 @@ class KVOffloader:
         self._peer_stores: dict[str, TieredStore] = {}  # hinted address -> its one-tier store
         self.max_spill_backlog = max_spill_backlog
         self._spill_pool = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-spill")
-        self._peer_identity = None  # set_peer_auth: without it, no peer is contacted
-        self._peer_tls = None
         self._fetch_pool = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-fetch")
         self._evicted: list[tuple[bytes, int]] = []  # (hash, page id) awaiting a copy
         self._fetches: dict[str, Future] = {}
@@ -80,12 +78,12 @@ class KVOffloader:
             ),
             0,
         )
-
-    # ------------------------------------------------------------ spill
         self.promoted_by_tier: dict[str, int] = {}  # pages fetched for promotion, by tier
         # called on the fetch thread after each fetch that brought pages: (seconds from
         # start_fetch, the run's tiers); the metrics hook (worker/metrics.py)
         self.on_promotion: Callable[[float, list[str]], None] | None = None
+
+    # ------------------------------------------------------------ spill
 
     def on_evict(self, page_hash: bytes, page_id: int) -> None:
         """The pool is about to reuse page ``page_id``'s slot; its bytes are still intact."""
@@ -166,7 +164,7 @@ class KVOffloader:
         # up only after they are in (the spill thread is FIFO, so this barrier is enough)
         spilled = self._spill_pool.submit(lambda: None)
         self._fetches[req.request_id] = self._fetch_pool.submit(
-            self._fetch, req, first_page, list(hashes), list(on_device), spilled
+            self._fetch, req, first_page, list(hashes), list(on_device), spilled, time.monotonic()
         )
 
     def _peer_store(self, address: str) -> TieredStore:
@@ -174,18 +172,8 @@ class KVOffloader:
         if store is None:
             from kvmesh.kvstore.peer import PeerTier  # grpc only when a peer is named
 
-            tls = self._peer_tls
-            tier = PeerTier(
-                [address],
-                identity=self._peer_identity,
-                timeout=self.peer_timeout_s,
-                credentials=tls.channel_credentials() if tls is not None else None,
-            )
-            store = TieredStore(self.spec, [tier])
-            while len(self._peer_stores) >= MAX_PEER_STORES:
-                oldest = next(iter(self._peer_stores))
-                self._peer_stores.pop(oldest).close()
-        self._peer_stores[address] = store  # most recently used last
+            tier = PeerTier([address], timeout=self.peer_timeout_s)
+            store = self._peer_stores[address] = TieredStore(self.spec, [tier])
         return store
 
     def _fetch_run(
@@ -216,6 +204,7 @@ class KVOffloader:
         hashes: list[bytes],
         on_device: list[bool],
         spilled: Future | None = None,
+        started: float | None = None,
     ) -> FetchResult:
         tiers: list[str] = []
         payloads: list[memoryview | None] = []
@@ -225,11 +214,7 @@ class KVOffloader:
             got: list = []
             if self.store is not None:
                 got = self._fetch_run(self.store, hashes, on_device)
-            if self._peer_identity is None:
-                hints = []  # a member may fetch only as a member; make_request refuses them
-            else:
-                hints = req.peer_hints
-            for address in hints:  # the rest, from peers the router named
+            for address in req.peer_hints:  # the rest, from peers the router named
                 if len(got) == len(hashes):
                     break
                 rest = slice(len(got), None)
@@ -244,6 +229,7 @@ class KVOffloader:
             tiers, payloads = [], []
         finally:
             self._done.set()
+        fetched = [t for t in tiers if t != "device"]
         with self._lock:
             self.metrics["promotions"] += 1
             self.metrics["promoted_pages"] += len(fetched)
@@ -254,6 +240,10 @@ class KVOffloader:
             hook(time.monotonic() - started, tiers)
         return FetchResult(req, first_page, tiers, payloads)
 
+    def peer_stores(self) -> list[TieredStore]:
+        """The one-tier stores of the peers requests have named so far (one per address)."""
+        return list(self._peer_stores.values())
+
     @property
     def num_fetching(self) -> int:
         return len(self._fetches)
@@ -261,7 +251,6 @@ class KVOffloader:
     def cancel(self, request_id: str) -> None:
         """Forget a request's fetch (aborted); its result, if any, is dropped."""
         self._fetches.pop(request_id, None)
-        fetched = [t for t in tiers if t != "device"]
 
     def take_fetch(self, request_id: str) -> FetchResult | None:
         """The finished fetch of this request (once), or None while it is in flight."""

@@ -108,6 +108,8 @@ class PeerTier(Tier):
             "pushed": 0,
             "data_plane_pages": 0,
             "grpc_pages": 0,
+            "data_plane_bytes": 0,  # object bytes received, per transport (Prometheus)
+            "grpc_bytes": 0,
             "data_plane_fallbacks": 0,
         }
 
@@ -125,8 +127,6 @@ class PeerTier(Tier):
                 )
                 if len(resp.tiers) != len(pending):
                     raise ValueError(f"{len(resp.tiers)} answers for {len(pending)} hashes")
-            "data_plane_bytes": 0,  # object bytes received, per transport (Prometheus)
-            "grpc_bytes": 0,
             except (grpc.RpcError, ValueError) as e:
                 self._fault(addr, "Lookup", e)
                 continue
@@ -237,6 +237,7 @@ class PeerTier(Tier):
                 res = client.fetch(hashes, left)
                 with self._lock:
                     self.metrics["data_plane_pages"] += len(res.objects)
+                    self.metrics["data_plane_bytes"] += _nbytes(res.objects)
                 if res.error is None:
                     return res.objects, None, "data plane"
                 self._forget_data_plane(addr, client, recheck_s=0.0 if res.answered else None)
@@ -253,12 +254,12 @@ class PeerTier(Tier):
         got, error = self._fetch(stub, hashes, left)
         with self._lock:
             self.metrics["grpc_pages"] += len(got)
+            self.metrics["grpc_bytes"] += _nbytes(got)
         return got, error, "Fetch"
 
     def _data_plane_client(
         self, addr: str, stub: pb_grpc.KVTransferStub, deadline: float
     ) -> tuple[DataPlaneClient | None, Exception | None]:
-                    self.metrics["data_plane_bytes"] += _nbytes(res.objects)
         """The peer's data-plane client, asking its ``DataPlane`` RPC (by ``deadline``) when
         not known yet; ``(None, None)``: it has none (or had one that failed lately), use
         Fetch."""
@@ -275,7 +276,6 @@ class PeerTier(Tier):
         if left <= 0:
             return None, TimeoutError(f"no time left of {self.timeout}s for DataPlane")
         try:
-            self.metrics["grpc_bytes"] += _nbytes(got)
             info = stub.DataPlane(pb.DataPlaneRequest(version=DATA_PLANE_VERSION), timeout=left)
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # a worker older than the data plane
