@@ -101,6 +101,7 @@ class WorkerActor:
         report_interval_s: float = 0.25,
         call_timeout_s: float = 10.0,
         log_level: str = "INFO",
+        metrics: bool = False,
     ) -> None:
         import torch
 
@@ -135,7 +136,11 @@ class WorkerActor:
         self.aeng = AsyncEngine(engine)
         ip = ray.util.get_node_ip_address()
         # KVTransfer serves the engine's device pages, then its host tier (EnginePageSource)
-        self.server = WorkerServer(self.aeng, host=ip, grace_s=grace_s)
+        # with ``metrics``, the engine's Prometheus /metrics on a free port of its own (the
+        # router lists it in its discovery file)
+        self.server = WorkerServer(
+            self.aeng, host=ip, grace_s=grace_s, metrics_port=0 if metrics else None
+        )
         self.server.start_in_thread()
         self.address = self.server.address
         self._stop = threading.Event()
@@ -151,7 +156,12 @@ class WorkerActor:
     # ------------------------------------------------------------ actor methods
 
     def ready(self) -> dict:
-        return {"name": self.name, "worker_id": self.worker_id, "address": self.address}
+        return {
+            "name": self.name,
+            "worker_id": self.worker_id,
+            "address": self.address,
+            "metrics_address": self.server.metrics_address,
+        }
 
     def ping(self) -> str:
         """The router's health check; the engine id tells a restarted actor apart."""
@@ -235,6 +245,7 @@ class WorkerActor:
             "next_seq": seq,
             "pages": pages,
             "load": self._load,
+            "metrics_address": self.server.metrics_address,
         }
         me = ray.get_runtime_context().current_actor
         return ray.get(self.router.register.remote(info, me), timeout=self.call_timeout_s)
@@ -315,6 +326,8 @@ class RouterActor:
         report_timeout_s: float = 4.0,
         seed: int | None = None,
         log_level: str = "INFO",
+        metrics_port: int | None = None,
+        prometheus_sd_file: str | None = None,
     ) -> None:
         from kvmesh.worker.models.loader import model_fingerprint, resolve_model
         from kvmesh.worker.tokenizer import Tokenizer
@@ -332,9 +345,13 @@ class RouterActor:
             host=host,
             port=port,
             grace_s=grace_s,
+            metrics_port=metrics_port,
+            prometheus_sd_file=prometheus_sd_file,
+            model_name=src.name,
         )
-        self.server.start_in_thread()
         ip = ray.util.get_node_ip_address() if host in ("0.0.0.0", "::", "[::]") else host
+        self.server.advertise_host = ip  # what the discovery file names
+        self.server.start_in_thread()
         self.endpoint_address = f"{ip}:{self.server.port}"
         self.health_interval_s = health_interval_s
         self.ping_timeout_s = ping_timeout_s
@@ -364,6 +381,10 @@ class RouterActor:
 
     def endpoint(self) -> str:
         return self.endpoint_address
+
+    def metrics_address(self) -> str | None:
+        """host:port of the router's Prometheus /metrics (None: not served)."""
+        return self.server.metrics_address
 
     def ping(self) -> str:
         return self.core.router_id

@@ -149,6 +149,7 @@ def cmd_worker(a: argparse.Namespace) -> int:
         max_waiting=a.max_waiting,
         data_plane=False if a.no_data_plane else None,
         data_plane_port=a.data_plane_port,
+        metrics_port=a.metrics_port,
         **_engine_kwargs(a),
     )
     return 0
@@ -275,6 +276,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="serve peers over gRPC KVTransfer.Fetch only (no raw-TCP page port)",
     )
+    w.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus /metrics on this port (0: any free port; default: not served)",
+    )
     _add_engine_args(w)
     w.set_defaults(func=cmd_worker)
 
@@ -334,8 +341,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_calibrate_profile)
 
     from kvmesh.cluster.serve import add_serve_parser  # Ray loads only when `serve` runs
+    from kvmesh.cluster.top import add_top_parser
 
     add_serve_parser(sub)
+    add_top_parser(sub)
     return parser
 
 

@@ -48,6 +48,11 @@ class ClusterConfig:
     report_interval_s: float = 0.25
     log_level: str = "INFO"  # of the actors' kvmesh loggers
     seed: int | None = None  # of the policy's tie-breaks
+    # Prometheus: the router's /metrics port (None: no metrics anywhere; 0: any free port);
+    # with it every worker serves its own /metrics on a free port, and the router lists them
+    # all in ``prometheus_sd_file`` (file-based service discovery), when given
+    metrics_port: int | None = None
+    prometheus_sd_file: str | None = None
 
     def __post_init__(self) -> None:
         from kvmesh.router.policies import POLICIES
@@ -64,6 +69,10 @@ class ClusterConfig:
             raise ValueError(f"worker_cpus must be > 0, got {self.worker_cpus}")
         if self.max_restarts < -1:
             raise ValueError(f"max_restarts must be >= -1, got {self.max_restarts}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        if self.prometheus_sd_file and self.metrics_port is None:
+            raise ValueError("prometheus_sd_file needs metrics_port (the router's /metrics port)")
 
 
 class Cluster:
@@ -107,6 +116,8 @@ class Cluster:
                 grace_s=cfg.grace_s,
                 seed=cfg.seed,
                 log_level=cfg.log_level,
+                metrics_port=cfg.metrics_port,
+                prometheus_sd_file=cfg.prometheus_sd_file,
             )
         )
         deadline = time.monotonic() + timeout_s
@@ -129,6 +140,7 @@ class Cluster:
                     grace_s=cfg.grace_s,
                     report_interval_s=cfg.report_interval_s,
                     log_level=cfg.log_level,
+                    metrics=cfg.metrics_port is not None,
                 )
                 for i in range(cfg.workers)
             ]
@@ -162,6 +174,12 @@ class Cluster:
                     f"{len(st['workers'])} of {n} workers registered within {timeout_s:.0f}s"
                 )
             time.sleep(0.1)
+
+    def metrics_address(self) -> str | None:
+        """host:port of the router's Prometheus /metrics (None: not served)."""
+        import ray
+
+        return ray.get(self.router.metrics_address.remote(), timeout=30)
 
     def set_policy(self, name: str) -> str:
         import ray
@@ -263,6 +281,20 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         help="seconds in-flight streams may finish after SIGTERM/SIGINT",
     )
     s.add_argument("--name", default="kvmesh", help="prefix of the Ray actor names")
+    s.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="the router's Prometheus /metrics port (0: any free port); every worker then "
+        "serves its own on a free port (default: no metrics)",
+    )
+    s.add_argument(
+        "--prometheus-sd-file",
+        default=None,
+        metavar="PATH",
+        help="with --metrics-port: the router keeps this Prometheus file_sd JSON listing its "
+        "own and every live worker's /metrics",
+    )
     cli._add_engine_args(s)  # the same engine flags as `kvmesh generate` and `kvmesh worker`
     s.set_defaults(func=cmd_serve)
     return s
@@ -288,6 +320,8 @@ def config_from_args(a: argparse.Namespace) -> ClusterConfig:
         max_restarts=a.max_restarts,
         grace_s=a.grace_period,
         name=a.name,
+        metrics_port=a.metrics_port,
+        prometheus_sd_file=a.prometheus_sd_file,
         log_level=logging.getLevelName(logging.getLogger("kvmesh").getEffectiveLevel()),
     )
 
@@ -330,6 +364,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
         cluster = Cluster.start(cfg)
         st = cluster.stats()
         print(f"kvmesh serving on {cluster.endpoint}  (policy {st['policy']})", flush=True)
+        if cfg.metrics_port is not None:
+            print(f"  metrics on http://{cluster.metrics_address()}/metrics", flush=True)
         for wid, w in st["workers"].items():
             print(f"  worker {wid} ({w['name']}) at {w['address']}", flush=True)
         print("Ctrl-C or SIGTERM to stop", file=sys.stderr, flush=True)

@@ -101,6 +101,8 @@ class RouterMetrics:
             ["model_name", "cause"],
             registry=reg,
         )
+        for cause in sorted({c for _, c in _REMOVAL_CAUSES} | {"other"}):
+            self.removed.labels(*m, cause)  # every cause exported from the start (at 0)
         self.resyncs = Counter(
             PREFIX + "router_resyncs",
             "Workers told to register again: their event stream had a gap or restarted "

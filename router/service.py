@@ -202,9 +202,14 @@ class RouterServer:
         max_message_mb: int = 64,
         grace_s: float = 10.0,
         housekeeping_s: float = 0.25,
+        metrics_port: int | None = None,
+        prometheus_sd_file: str | None = None,
+        model_name: str = "",
     ) -> None:
         if max_message_mb < 1:  # checked now, not when the server starts
             raise ValueError(f"max_message_mb must be >= 1, got {max_message_mb}")
+        if metrics_port is not None and not 0 <= metrics_port < 65536:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {metrics_port}")
         self.core = core
         self.tokenize = tokenize
         self.host, self.port = host, port
@@ -221,6 +226,18 @@ class RouterServer:
         self._drain = Drain()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = ServerThread("kvmesh-router")
+        # Prometheus: the core's metrics (router/metrics.py) on their own HTTP port (None: not
+        # served; 0: any free port), and the file-based discovery file listing that port and
+        # every live worker's /metrics (rewritten by housekeeping when the list changes)
+        from kvmesh.router.metrics import RouterMetrics
+
+        self.metrics = RouterMetrics(core, model_name=model_name, run=self._run_on_loop)
+        core.metrics = self.metrics
+        self.metrics_port = metrics_port
+        self.metrics_server = None
+        self.prometheus_sd_file = prometheus_sd_file
+        self.advertise_host: str | None = None  # the host others reach this one at
+        self._sd_written: list | None = None
 
     @property
     def address(self) -> str:
@@ -246,8 +263,59 @@ class RouterServer:
             self._channels[worker_id] = entry
         return entry[2]
 
+    @property
+    def metrics_address(self) -> str | None:
+        """host:port of the router's /metrics, while served."""
+        srv = self.metrics_server
+        if srv is None:
+            return None
+        return f"{self.advertise_host}:{srv.port}" if self.advertise_host else srv.address
+
+    def _run_on_loop(self, fn: Callable):
+        """``fn()`` on the server's loop (the core's thread), from any thread."""
+        loop = self._loop
+        if loop is None or not loop.is_running():
+            return fn()
+        try:
+            if asyncio.get_running_loop() is loop:
+                return fn()
+        except RuntimeError:  # no loop in this thread
+            pass
+        return self.call(fn, timeout=5.0)
+
+    def scrape_targets(self) -> list[dict]:
+        """Prometheus file-based discovery groups: this router's /metrics and every live
+        worker's (on the core's loop)."""
+        groups = []
+        if self.metrics_address:
+            groups.append({"targets": [self.metrics_address], "labels": {"kvmesh_role": "router"}})
+        for rec in sorted(self.core.workers.values(), key=lambda r: r.name):
+            if rec.metrics_address:
+                labels = {"kvmesh_role": "worker", "kvmesh_worker_name": rec.name}
+                groups.append({"targets": [rec.metrics_address], "labels": labels})
+        return groups
+
+    def _write_sd_file(self) -> None:
+        groups = self.scrape_targets()
+        if groups == self._sd_written:
+            return
+        import json
+        import os
+
+        path = self.prometheus_sd_file
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:  # then renamed: Prometheus never reads half a file
+            json.dump(groups, f, indent=1)
+        os.replace(tmp, path)
+        self._sd_written = groups
+
     async def start(self) -> int:
         server = aio_server(self.max_message_mb)
+        if self.metrics_port is not None:
+            from kvmesh.protos.metrics import serve_metrics
+
+            self.metrics_server = serve_metrics(self.metrics.registry, self.host, self.metrics_port)
+            self.metrics_port = self.metrics_server.port
         ipb_grpc.add_InferenceServicer_to_server(RouterServicer(self), server)
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -289,6 +357,8 @@ class RouterServer:
                     _, ch, _ = self._channels.pop(wid)
                     await ch.close(grace=None)
                 await self._set_health()
+                if self.prometheus_sd_file:
+                    self._write_sd_file()
             except asyncio.CancelledError:
                 raise
             except Exception:  # housekeeping must outlive any one bad round
@@ -313,6 +383,9 @@ class RouterServer:
         for _, ch, _ in self._channels.values():
             await ch.close(grace=None)
         self._channels.clear()
+        if self.metrics_server is not None:
+            await asyncio.to_thread(self.metrics_server.stop)
+            self.metrics_server = None
         self._stopped.set()
         logger.info("router stopped")
 

@@ -4,6 +4,13 @@ from __future__ import annotations
 
 import contextlib
 
+from kvmesh.protos.security import ClusterIdentity
+
+# the cluster secret of the tests' own servers: a test that acts as a cluster member (calls
+# KVTransfer, GetLoad, names peers) carries it; a local Ray cluster draws its own
+# (Cluster.identity)
+TEST_IDENTITY = ClusterIdentity(b"kvmesh-tests-cluster-secret-0123456789")
+
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, ignore_eos=True) -> list[int]:
     """transformers' greedy continuation; with ignore_eos it never stops early."""
@@ -53,9 +60,12 @@ def wait_until(pred, timeout: float = 30.0, every: float = 0.1):
 
 
 @contextlib.contextmanager
-def local_cluster(engine_args: dict, model: str = "smollm2-135m-instruct", workers: int = 2):
+def local_cluster(
+    engine_args: dict, model: str = "smollm2-135m-instruct", workers: int = 2, **config
+):
     """A real local Ray cluster (its own namespace) running ``kvmesh serve``'s cluster on a
-    fixed free port, so a restarted router comes back where the client looks."""
+    fixed free port, so a restarted router comes back where the client looks. ``config``:
+    more ClusterConfig fields (e.g. ``http_port=0``)."""
     import uuid
 
     import pytest
@@ -84,6 +94,7 @@ def local_cluster(engine_args: dict, model: str = "smollm2-135m-instruct", worke
             grace_s=2.0,
             log_level="WARNING",
             seed=0,
+            **config,
         )
         c = Cluster.start(cfg, timeout_s=300)
         try:
@@ -108,3 +119,32 @@ def restart_router(cluster, timeout: float = 120.0) -> bool:
             return False
 
     return wait_until(restarted, timeout=timeout)
+
+
+def member_channel(address: str, identity: ClusterIdentity = TEST_IDENTITY):
+    """A plaintext grpc channel whose every call carries ``identity``'s credential: a test
+    that talks to KVTransfer (or GetLoad) as a cluster member would."""
+    import grpc
+
+    class AddMetadata(
+        grpc.UnaryUnaryClientInterceptor,
+        grpc.UnaryStreamClientInterceptor,
+        grpc.StreamUnaryClientInterceptor,
+        grpc.StreamStreamClientInterceptor,
+    ):
+        def _with(self, details):
+            return details._replace(metadata=(*(details.metadata or ()), *identity.metadata()))
+
+        def intercept_unary_unary(self, continuation, details, request):
+            return continuation(self._with(details), request)
+
+        def intercept_unary_stream(self, continuation, details, request):
+            return continuation(self._with(details), request)
+
+        def intercept_stream_unary(self, continuation, details, requests):
+            return continuation(self._with(details), requests)
+
+        def intercept_stream_stream(self, continuation, details, requests):
+            return continuation(self._with(details), requests)
+
+    return grpc.intercept_channel(grpc.insecure_channel(address), AddMetadata())

@@ -70,6 +70,7 @@ class WorkerServer:
         data_plane: bool | None = None,
         data_plane_port: int = 0,
         server_credentials: grpc.ServerCredentials | None = None,
+        metrics_port: int | None = None,
     ) -> None:
         if not 0 <= data_plane_port < 65536:
             raise ValueError(f"data_plane_port must be in [0, 65535], got {data_plane_port}")
@@ -105,6 +106,12 @@ class WorkerServer:
         self._stopped: asyncio.Event | None = None
         self._thread = ServerThread("kvmesh-grpc")
         self.inference: InferenceServicer | None = None
+        # Prometheus /metrics of the engine on its own HTTP port (None: not served; 0: any
+        # free port), on the same host as gRPC
+        if metrics_port is not None and not 0 <= metrics_port < 65536:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {metrics_port}")
+        self.metrics_port = metrics_port
+        self.metrics_server = None
 
     @property
     def address(self) -> str:
@@ -115,9 +122,24 @@ class WorkerServer:
     def worker_id(self) -> str | None:
         return self.engine.engine.engine_id if self.engine is not None else None
 
+    @property
+    def metrics_address(self) -> str | None:
+        """host:port of the engine's /metrics, while served."""
+        return self.metrics_server.address if self.metrics_server is not None else None
+
+    def _start_metrics(self) -> None:
+        eng = self.engine.engine if self.engine is not None else None
+        if self.metrics_port is None or eng is None or eng.metrics is None:
+            return
+        from kvmesh.protos.metrics import serve_metrics
+
+        self.metrics_server = serve_metrics(eng.metrics.registry, self.host, self.metrics_port)
+        self.metrics_port = self.metrics_server.port
+
     async def start(self) -> int:
         """Bind and start serving; returns the bound port."""
         server = aio_server(self.max_message_mb)
+        self._start_metrics()
         names = [kpb.DESCRIPTOR.services_by_name["KVTransfer"].full_name]
         if self.engine is not None:
             self.inference = InferenceServicer(self.engine, self._life)
@@ -215,6 +237,9 @@ class WorkerServer:
         if dp is not None:
             await asyncio.to_thread(dp.stop)  # what is still in flight ends: clients see misses
         await self._server.stop(None)
+        if self.metrics_server is not None:
+            await asyncio.to_thread(self.metrics_server.stop)
+            self.metrics_server = None
         if self.own_engine and self.engine is not None:
             await asyncio.to_thread(self.engine.shutdown)
         self._stopped.set()
@@ -244,6 +269,7 @@ def serve_worker(
     page_source: PageSource | None = None,
     data_plane: bool | None = None,
     data_plane_port: int = 0,
+    metrics_port: int | None = None,
     **engine_args,
 ) -> None:
     """Load the model, serve until SIGTERM/SIGINT, drain, exit (``kvmesh worker``).
@@ -264,6 +290,7 @@ def serve_worker(
         grace_s=grace_s,
         data_plane=data_plane,
         data_plane_port=data_plane_port,
+        metrics_port=metrics_port,
     )
 
     async def main() -> None:
