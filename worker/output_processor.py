@@ -30,9 +30,9 @@ class OutputProcessor:
             tail_from = max(0, len(req.text) - max(map(len, p.stop)) + 1)
             hits = [(at, s) for s in p.stop if (at := text.find(s, tail_from)) >= 0]
             if hits:
-                at, s = min(hits)  # the earliest match wins
-                req.text = text[: at + len(s) if p.include_stop_str_in_output else at]
-                req.stop_reason = s
+                # the earliest match wins; emit_text cuts the text there (req.text is what
+                # was streamed so far: the tail held back until now is still to be sent)
+                req.stop_reason = min(hits)[1]
                 return RequestStatus.FINISHED_STOPPED
         if tok in p.stop_token_ids:
             req.stop_reason = tok
@@ -51,8 +51,13 @@ class OutputProcessor:
         det = req.detokenizer
         if det is None:
             return ""
-        if req.status.finished:
-            final = req.text if isinstance(req.stop_reason, str) else det.text
+        if req.status.finished and isinstance(req.stop_reason, str):
+            # stopped by a stop string: the match check_stop found, from the same place
+            s, p = req.stop_reason, req.params
+            at = det.text.find(s, max(0, len(req.text) - max(map(len, p.stop)) + 1))
+            final = det.text[: at + len(s) if p.include_stop_str_in_output else at]
+        elif req.status.finished:
+            final = det.text
         else:
             keep_back = max(map(len, req.params.stop)) - 1 if req.params.stop else 0
             final = det.text[: max(len(req.text), len(det.text) - keep_back)]
