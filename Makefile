@@ -9,7 +9,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.setup-stamp
 RUN_ARGS ?=
 
-.PHONY: setup run test test-unit lint format redis cc clean
+.PHONY: setup run test test-unit lint format redis prometheus cc clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,13 +26,19 @@ redis:
 	  echo "installing redis-server"; \
 	  apt-get update -q && apt-get install -y -q redis-server; }
 
+# Prometheus (with promtool): the metrics tests scrape the cluster with a real one
+prometheus:
+	@command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 || { \
+	  echo "installing prometheus"; \
+	  apt-get update -q && apt-get install -y -q prometheus; }
+
 # a C compiler builds the CPU attention kernel (kernels/cpu_attention.c) on first use
 cc:
 	@command -v $${CC:-cc} >/dev/null 2>&1 || { \
 	  echo "installing gcc"; \
 	  apt-get update -q && apt-get install -y -q gcc; }
 
-setup: $(STAMP) redis cc
+setup: $(STAMP) redis prometheus cc
 
 run: setup
 	$(BIN)/python -m kvmesh.cluster.demo $(RUN_ARGS)
