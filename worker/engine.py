@@ -388,6 +388,7 @@ class LLMEngine:
         for req, tok, lp, err in zip(reqs, tokens, logprobs, errors):
             if req.first_token_time is None:
                 req.first_token_time = now
+            n_before = len(req.output_token_ids)
             if err is None:
                 try:
                     outputs.append(self._take_token(req, tok, lp))
@@ -395,7 +396,8 @@ class LLMEngine:
                 except Exception as e:  # a detokenizer or stop-check failure is this request's
                     logger.exception("request %s failed after sampling", req.request_id)
                     err = f"{type(e).__name__} while processing its output: {e}"
-            outputs.append(self._fail(req, err))
+            # the token it failed on, if it was taken, is reported: token_ids match the usage
+            outputs.append(self._fail(req, err, req.output_token_ids[n_before:]))
         if self.metrics is not None:
             self.metrics.on_step(reqs, now)
         return outputs
@@ -413,7 +415,7 @@ class LLMEngine:
             self.scheduler.finish(req, status)
         return proc.output(req, [tok], proc.emit_text(req))
 
-    def _fail(self, req: Request, message: str) -> RequestOutput:
+    def _fail(self, req: Request, message: str, new_ids: list[int]) -> RequestOutput:
         """Finish ``req`` alone with finish_reason "error": its pages are freed, the engine
         and every other request go on."""
         logger.warning("request %s failed: %s", req.request_id, message)
@@ -423,7 +425,7 @@ class LLMEngine:
         else:
             self.requests.pop(req.request_id, None)
             self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
-        return self.output_processor.output(req, [], "")
+        return self.output_processor.output(req, new_ids, "")
 
     # ------------------------------------------------------------ stats
 

@@ -17,6 +17,7 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
         cum = sorted_logits.softmax(-1).cumsum(-1)
         # drop a token when the mass before it already reaches top_p (the first always stays)
         drop = (cum - sorted_logits.softmax(-1)) >= top_p
+        drop[0] = False  # rounding can leave a tiny mass before it, >= a tiny top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(0, order, sorted_logits)
     return logits

@@ -228,3 +228,13 @@ def test_logprobs_are_raw_log_softmax_at_the_chosen_token():
     # not the log-prob after temperature/top-k: a filtered distribution would differ
     scaled = torch.log_softmax(logits[1] / 0.5, dim=-1)[tokens[1]]
     assert not math.isclose(lps[1], float(scaled), abs_tol=1e-3)
+
+
+def test_a_vanishing_top_p_still_keeps_the_most_likely_token():
+    # cumsum rounding left a mass of ~1e-8 "before" the first token, which a top_p of 1e-300
+    # dropped too: every logit became -inf and the draw failed (found by the fuzz test)
+    logits = make_logits(8, seed=12)
+    reqs = [make_req(f"r{i}", temperature=1.0, top_p=1e-300, seed=i) for i in range(8)]
+    tokens, _, errors = sample(logits, reqs)
+    assert errors == [None] * 8
+    assert tokens == logits.argmax(-1).tolist()
