@@ -24,6 +24,8 @@ import uuid
 
 import ray
 
+from kvmesh.protos.security import BearerTokens, ClusterIdentity, TLSConfig
+from kvmesh.protos.serving import DEFAULT_DEADLINE_S
 from kvmesh.router.core import EventRow, RouterCore, encode_event
 from kvmesh.router.load import WorkerLoad, to_report
 from kvmesh.router.service import RouterServer
@@ -102,6 +104,10 @@ class WorkerActor:
         call_timeout_s: float = 10.0,
         log_level: str = "INFO",
         metrics: bool = False,
+        identity: ClusterIdentity | None = None,
+        tls: TLSConfig | None = None,
+        tokens: BearerTokens | None = None,
+        default_deadline_s: float | None = DEFAULT_DEADLINE_S,
     ) -> None:
         import torch
 
@@ -123,7 +129,10 @@ class WorkerActor:
         if peers:  # static peers (page servers); tiers are built here, never pickled
             from kvmesh.kvstore.peer import PeerTier
 
-            engine_args["extra_tiers"] = [PeerTier(peers)]
+            creds = tls.channel_credentials() if tls is not None else None
+            engine_args["extra_tiers"] = [PeerTier(peers, identity=identity, credentials=creds)]
+        # the cluster identity, for the peers the router names (docs/security.md)
+        engine_args.update(peer_identity=identity, peer_tls=tls)
         engine = LLMEngine(engine_id=f"{name}-{uuid.uuid4().hex[:6]}", **engine_args)
         self.worker_id = engine.engine_id
         self.model_fp = engine.model_fp
@@ -139,7 +148,14 @@ class WorkerActor:
         # with ``metrics``, the engine's Prometheus /metrics on a free port of its own (the
         # router lists it in its discovery file)
         self.server = WorkerServer(
-            self.aeng, host=ip, grace_s=grace_s, metrics_port=0 if metrics else None
+            self.aeng,
+            host=ip,
+            grace_s=grace_s,
+            metrics_port=0 if metrics else None,
+            identity=identity,
+            tokens=tokens,
+            server_credentials=tls.server_credentials() if tls is not None and tls.serves else None,
+            default_deadline_s=default_deadline_s,
         )
         self.server.start_in_thread()
         self.address = self.server.address
@@ -328,6 +344,11 @@ class RouterActor:
         log_level: str = "INFO",
         metrics_port: int | None = None,
         prometheus_sd_file: str | None = None,
+        http_port: int | None = None,
+        identity: ClusterIdentity | None = None,
+        tls: TLSConfig | None = None,
+        tokens: BearerTokens | None = None,
+        default_deadline_s: float | None = DEFAULT_DEADLINE_S,
     ) -> None:
         from kvmesh.worker.models.loader import model_fingerprint, resolve_model
         from kvmesh.worker.tokenizer import Tokenizer
@@ -348,11 +369,19 @@ class RouterActor:
             metrics_port=metrics_port,
             prometheus_sd_file=prometheus_sd_file,
             model_name=src.name,
+            http_port=http_port,  # the OpenAI-compatible API (router/http_api.py)
+            tokenizer=tok,
+            identity=identity,
+            tokens=tokens,
+            tls=tls,
+            default_deadline_s=default_deadline_s,
         )
         ip = ray.util.get_node_ip_address() if host in ("0.0.0.0", "::", "[::]") else host
         self.server.advertise_host = ip  # what the discovery file names
         self.server.start_in_thread()
         self.endpoint_address = f"{ip}:{self.server.port}"
+        http = self.server.http
+        self.http_address = f"{ip}:{http.port}" if http is not None else None
         self.health_interval_s = health_interval_s
         self.ping_timeout_s = ping_timeout_s
         self._handles: dict[str, object] = {}
@@ -381,6 +410,10 @@ class RouterActor:
 
     def endpoint(self) -> str:
         return self.endpoint_address
+
+    def http_endpoint(self) -> str | None:
+        """host:port of the OpenAI-compatible HTTP API (None: not served)."""
+        return self.http_address
 
     def metrics_address(self) -> str | None:
         """host:port of the router's Prometheus /metrics (None: not served)."""
@@ -431,6 +464,6 @@ class RouterActor:
                     else:
                         with self._lock:
                             self._handles.pop(wid, None)
-                        self.server.call(self.core.remove_worker, wid, reason)
+                        self.server.call(self.core.remove_worker, wid, reason, dead=True)
                 except Exception:  # the server is stopping
                     return

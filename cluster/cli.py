@@ -46,7 +46,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
 
 
-def _engine_kwargs(a: argparse.Namespace) -> dict:
+def _engine_kwargs(
+    a: argparse.Namespace, security: dict | None = None, *, peer_tiers: bool = True
+) -> dict:
+    """The engine's keyword arguments; ``--peer`` tiers are built (as a cluster member:
+    ``security``'s identity, else ``KVMESH_CLUSTER_SECRET``) unless ``peer_tiers`` is off."""
     return dict(
         dtype=a.dtype,
         kv_cache_dtype=a.kv_cache_dtype,
@@ -59,16 +63,96 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
         host_cache_memory=a.host_cache_memory,
         redis_url=a.redis_url,
         redis_ttl_s=a.redis_ttl,
-        extra_tiers=_peer_tiers(a.peer),
+        extra_tiers=_peer_tiers(a.peer, security) if peer_tiers else [],
     )
 
 
-def _peer_tiers(addresses: list[str]) -> list:
+def _peer_tiers(addresses: list[str], security: dict | None = None) -> list:
     if not addresses:
         return []
     from kvmesh.kvstore.peer import PeerTier
 
-    return [PeerTier(addresses)]
+    if security is None and envs.cluster_secret():
+        from kvmesh.protos.security import ClusterIdentity
+
+        security = {"identity": ClusterIdentity.from_text(envs.cluster_secret())}
+    security = security or {}
+    if security.get("identity") is None:
+        raise ValueError(
+            "--peer needs the cluster secret (--cluster-secret-file or KVMESH_CLUSTER_SECRET): "
+            "peers serve pages to cluster members only"
+        )
+    tls = security.get("tls")
+    creds = tls.channel_credentials() if tls is not None else None
+    return [PeerTier(addresses, identity=security["identity"], credentials=creds)]
+
+
+def _add_security_args(p: argparse.ArgumentParser, *, serve: bool = False) -> None:
+    """Identity, TLS, client tokens and the default deadline (docs/security.md)."""
+    p.add_argument(
+        "--cluster-secret-file",
+        default=None,
+        metavar="PATH",
+        help="the cluster secret (>= 16 bytes, e.g. `openssl rand -hex 32`) members prove "
+        + (
+            "to each other (default: a random one per cluster)"
+            if serve
+            else "to each other (default: $KVMESH_CLUSTER_SECRET; without either, KVTransfer, "
+            "GetLoad and peer hints are refused to everyone)"
+        ),
+    )
+    p.add_argument(
+        "--token-file",
+        default=None,
+        metavar="PATH",
+        help="client bearer tokens, one per line: Generate, Abort and GetModelInfo then need "
+        "'authorization: Bearer <token>' (default: open)",
+    )
+    p.add_argument("--tls-cert", default=None, metavar="PEM", help="serve TLS: certificate chain")
+    p.add_argument("--tls-key", default=None, metavar="PEM", help="serve TLS: private key")
+    p.add_argument(
+        "--tls-client-ca",
+        default=None,
+        metavar="PEM",
+        help="require client certificates signed by this CA (mutual TLS)",
+    )
+    p.add_argument(
+        "--tls-ca",
+        default=None,
+        metavar="PEM",
+        help="CA that other members' certificates chain to, for this process's connections "
+        "to them (default: the system's roots)",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="server-side deadline of one Generate (default 3600; a client's shorter one wins)",
+    )
+
+
+def _security_kwargs(a: argparse.Namespace, *, serve: bool = False) -> dict:
+    """``identity``, ``tls``, ``tokens``, ``default_deadline_s`` from the flags (and, for a
+    worker, ``KVMESH_CLUSTER_SECRET``). ``kvmesh serve`` without a secret file leaves
+    ``identity`` None: the cluster draws its own."""
+    from kvmesh.protos.security import BearerTokens, ClusterIdentity, TLSConfig
+    from kvmesh.protos.serving import DEFAULT_DEADLINE_S
+
+    if a.cluster_secret_file:
+        identity = ClusterIdentity.from_file(a.cluster_secret_file)
+    elif not serve and envs.cluster_secret():
+        identity = ClusterIdentity.from_text(envs.cluster_secret())
+    else:
+        identity = None
+    if a.request_timeout is not None and not a.request_timeout > 0:
+        raise ValueError(f"--request-timeout must be > 0 seconds, got {a.request_timeout}")
+    return dict(
+        identity=identity,
+        tls=TLSConfig.from_files(a.tls_cert, a.tls_key, a.tls_client_ca, a.tls_ca),
+        tokens=BearerTokens.from_file(a.token_file) if a.token_file else None,
+        default_deadline_s=a.request_timeout or DEFAULT_DEADLINE_S,
+    )
 
 
 def cmd_eval_ppl(a: argparse.Namespace) -> int:
@@ -140,6 +224,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
 def cmd_worker(a: argparse.Namespace) -> int:
     from kvmesh.worker.server import serve_worker
 
+    security = _security_kwargs(a)
+    engine_kwargs = _engine_kwargs(a, security)
     serve_worker(
         a.model,
         port=a.port,
@@ -149,8 +235,10 @@ def cmd_worker(a: argparse.Namespace) -> int:
         max_waiting=a.max_waiting,
         data_plane=False if a.no_data_plane else None,
         data_plane_port=a.data_plane_port,
+        http_port=a.http_port,
         metrics_port=a.metrics_port,
-        **_engine_kwargs(a),
+        **security,
+        **engine_kwargs,
     )
     return 0
 
@@ -259,6 +347,12 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--host", default="0.0.0.0", help="address to bind")
     w.add_argument("--max-message-mb", type=int, default=64, help="gRPC message size limit")
     w.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="serve the OpenAI-compatible HTTP API on this port too (0: any free port)",
+    )
+    w.add_argument(
         "--grace-period",
         type=float,
         default=10.0,
@@ -276,6 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="serve peers over gRPC KVTransfer.Fetch only (no raw-TCP page port)",
     )
+    _add_security_args(w)
     w.add_argument(
         "--metrics-port",
         type=int,

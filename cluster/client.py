@@ -34,6 +34,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.protos.kvmesh.v1 import inference_pb2 as pb
 from kvmesh.protos.kvmesh.v1 import inference_pb2_grpc as pb_grpc
+from kvmesh.protos.security import AUTHORIZATION_KEY, ClusterIdentity
+from kvmesh.protos.serving import KEEPALIVE_TIME_S, KEEPALIVE_TIMEOUT_S, channel_options
 
 Metadata = Sequence[tuple[str, str]]
 Prompt = str | Sequence[int]
@@ -86,12 +88,23 @@ class Cancelled(KvmeshError):
     """The call was cancelled."""
 
 
+class Unauthenticated(KvmeshError):
+    """The server wants a bearer token (``token=``) or the cluster identity, and got none or
+    a wrong one."""
+
+
+class PermissionDenied(KvmeshError):
+    """The call asked for something only a cluster member may (e.g. ``peer_addresses``)."""
+
+
 _ERRORS = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
     grpc.StatusCode.CANCELLED: Cancelled,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
 }
 
 
@@ -333,6 +346,9 @@ class _Call:
 # ---------------------------------------------------------------- what both clients share
 
 
+_channel_options = channel_options  # the parameter of _ClientBase shadows the function
+
+
 def _pem(value: bytes | str | os.PathLike | None) -> bytes | None:
     """PEM bytes as given, or read from a path."""
     if value is None or isinstance(value, bytes):
@@ -387,6 +403,10 @@ class _ClientBase:
         backoff_s: float = 0.1,
         backoff_max_s: float = 2.0,
         channel_options: Sequence[tuple[str, object]] | None = None,
+        token: str | None = None,
+        identity: ClusterIdentity | None = None,
+        keepalive_s: float = KEEPALIVE_TIME_S,
+        keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S,
     ) -> None:
         self._retry = _RetryPolicy(retries, backoff_s, backoff_max_s)
         if timeout is not None and timeout <= 0:
@@ -396,10 +416,16 @@ class _ClientBase:
         self._target = target
         self._timeout = timeout
         self._metadata = tuple(metadata or ())
-        limit = max_message_mb * 2**20
+        if token is not None:
+            if not token or any(c.isspace() for c in token):
+                raise ValueError("token must be a non-empty string without whitespace")
+            self._metadata += ((AUTHORIZATION_KEY, f"Bearer {token}"),)
+        if identity is not None:
+            if not isinstance(identity, ClusterIdentity):
+                raise ValueError(f"identity must be a ClusterIdentity, got {type(identity)}")
+            self._metadata += identity.metadata()
         self._channel_options = [
-            ("grpc.max_send_message_length", limit),
-            ("grpc.max_receive_message_length", limit),
+            *_channel_options(max_message_mb, keepalive_s, keepalive_timeout_s),
             *(channel_options or ()),
         ]
         if credentials is None and (tls or root_certificates or private_key or certificate_chain):
@@ -451,6 +477,11 @@ class Client(_ClientBase):
     ``timeout`` and ``metadata`` are defaults for every call, each call may override or add
     to them. TLS: pass ``credentials``, or ``tls=True`` and/or PEM ``root_certificates``
     (client auth: ``private_key`` and ``certificate_chain``); each PEM is bytes or a path.
+    ``token``: a bearer token sent with every call (``authorization: Bearer <token>``; use
+    TLS, a token on a plaintext channel can be read off the network). ``identity``: the
+    cluster secret, for an operator's client that calls what only members may (``GetLoad``).
+    The channel pings the server every ``keepalive_s`` and fails its calls with UNAVAILABLE
+    when no answer comes within ``keepalive_timeout_s`` (a frozen or vanished host).
     Thread-safe; close it (or use ``with``) to release the channel.
     """
 

@@ -25,6 +25,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from kvmesh.protos.security import BearerTokens, ClusterIdentity, TLSConfig
+from kvmesh.protos.serving import DEFAULT_DEADLINE_S
+
 logger = logging.getLogger("kvmesh.cluster")
 
 DEFAULT_PORT = 50051
@@ -53,6 +56,14 @@ class ClusterConfig:
     # all in ``prometheus_sd_file`` (file-based service discovery), when given
     metrics_port: int | None = None
     prometheus_sd_file: str | None = None
+    http_port: int | None = None  # the router's OpenAI-compatible HTTP API (0: a free port)
+    # Access (docs/security.md): the cluster secret every actor proves to the others (None:
+    # Cluster.start draws a random one and hands it to the actors), TLS material of the
+    # router's client port and the workers' ports, client tokens, the default deadline
+    identity: ClusterIdentity | None = None
+    tls: TLSConfig | None = None
+    tokens: BearerTokens | None = None
+    default_deadline_s: float | None = DEFAULT_DEADLINE_S
 
     def __post_init__(self) -> None:
         from kvmesh.router.policies import POLICIES
@@ -71,6 +82,12 @@ class ClusterConfig:
             raise ValueError(f"max_restarts must be >= -1, got {self.max_restarts}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        if self.http_port is not None and not 0 <= self.http_port < 65536:
+            raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
+        if self.default_deadline_s is not None and not self.default_deadline_s > 0:
+            raise ValueError(
+                f"default_deadline_s must be > 0 or None, got {self.default_deadline_s}"
+            )
         if self.prometheus_sd_file and self.metrics_port is None:
             raise ValueError("prometheus_sd_file needs metrics_port (the router's /metrics port)")
 
@@ -78,8 +95,17 @@ class ClusterConfig:
 class Cluster:
     """A running router actor and its worker actors (on the Ray cluster ``ray.init`` joined)."""
 
-    def __init__(self, cfg: ClusterConfig, router, workers: list, endpoint: str) -> None:
+    def __init__(
+        self,
+        cfg: ClusterConfig,
+        router,
+        workers: list,
+        endpoint: str,
+        identity: ClusterIdentity | None = None,
+    ) -> None:
         self.cfg = cfg
+        # the cluster's secret: an SDK client acting as a member passes it (GetLoad)
+        self.identity = identity
         self.router = router
         self.workers = workers  # actor handles, in slot order
         self.endpoint = endpoint
@@ -96,6 +122,15 @@ class Cluster:
         if not ray.is_initialized():
             raise RuntimeError("call ray.init() first (kvmesh serve does it for you)")
         model = cfg.model or DEFAULT_MODEL
+        # every actor gets the secret through Ray (its actor arguments): a local cluster is
+        # authenticated with no set-up, and nothing outside it can act as a member
+        identity = cfg.identity or ClusterIdentity.generate()
+        security = dict(
+            identity=identity,
+            tls=cfg.tls,
+            tokens=cfg.tokens,
+            default_deadline_s=cfg.default_deadline_s,
+        )
         gpus = cfg.worker_gpus
         if gpus is None:
             gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
@@ -118,6 +153,8 @@ class Cluster:
                 log_level=cfg.log_level,
                 metrics_port=cfg.metrics_port,
                 prometheus_sd_file=cfg.prometheus_sd_file,
+                http_port=cfg.http_port,
+                **security,
             )
         )
         deadline = time.monotonic() + timeout_s
@@ -141,10 +178,11 @@ class Cluster:
                     report_interval_s=cfg.report_interval_s,
                     log_level=cfg.log_level,
                     metrics=cfg.metrics_port is not None,
+                    **security,
                 )
                 for i in range(cfg.workers)
             ]
-            cluster = cls(cfg, router, workers, endpoint)
+            cluster = cls(cfg, router, workers, endpoint, identity)
             left = max(1.0, deadline - time.monotonic())
             ray.get([w.ready.remote() for w in workers], timeout=left)
             cluster.wait_for_workers(cfg.workers, timeout_s=max(1.0, deadline - time.monotonic()))
@@ -155,6 +193,13 @@ class Cluster:
         return cluster
 
     # ------------------------------------------------------------ operations
+
+    @property
+    def http_endpoint(self) -> str | None:
+        """host:port of the router's OpenAI-compatible HTTP API (None: not served)."""
+        import ray
+
+        return ray.get(self.router.http_endpoint.remote(), timeout=30)
 
     def stats(self) -> dict:
         """The router's view: workers (address, load, index pages), decisions, index stats."""
@@ -260,6 +305,12 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     )
     s.add_argument("--host", default="0.0.0.0", help="the router's bind address")
     s.add_argument("--port", type=int, default=DEFAULT_PORT, help="the router's port")
+    s.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="serve the OpenAI-compatible HTTP API on this port too (0: any free port)",
+    )
     s.add_argument("--worker-cpus", type=float, default=1.0, help="CPUs per worker actor")
     s.add_argument(
         "--worker-gpus",
@@ -295,6 +346,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         help="with --metrics-port: the router keeps this Prometheus file_sd JSON listing its "
         "own and every live worker's /metrics",
     )
+    cli._add_security_args(s, serve=True)
     cli._add_engine_args(s)  # the same engine flags as `kvmesh generate` and `kvmesh worker`
     s.set_defaults(func=cmd_serve)
     return s
@@ -303,8 +355,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 def config_from_args(a: argparse.Namespace) -> ClusterConfig:
     from kvmesh.cluster import cli
 
-    engine_args = cli._engine_kwargs(a)
     # tiers hold sockets and threads: each worker builds its own from the addresses
+    engine_args = cli._engine_kwargs(a, peer_tiers=False)
     engine_args.pop("extra_tiers", None)
     if a.peer:
         engine_args["peers"] = list(a.peer)
@@ -315,6 +367,7 @@ def config_from_args(a: argparse.Namespace) -> ClusterConfig:
         policy=a.policy,
         host=a.host,
         port=a.port,
+        http_port=a.http_port,
         worker_cpus=a.worker_cpus,
         worker_gpus=a.worker_gpus,
         max_restarts=a.max_restarts,
@@ -322,6 +375,7 @@ def config_from_args(a: argparse.Namespace) -> ClusterConfig:
         name=a.name,
         metrics_port=a.metrics_port,
         prometheus_sd_file=a.prometheus_sd_file,
+        **cli._security_kwargs(a, serve=True),
         log_level=logging.getLevelName(logging.getLogger("kvmesh").getEffectiveLevel()),
     )
 
@@ -364,6 +418,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
         cluster = Cluster.start(cfg)
         st = cluster.stats()
         print(f"kvmesh serving on {cluster.endpoint}  (policy {st['policy']})", flush=True)
+        if cfg.http_port is not None:
+            print(f"  OpenAI-compatible API: http://{cluster.http_endpoint}/v1", flush=True)
         if cfg.metrics_port is not None:
             print(f"  metrics on http://{cluster.metrics_address()}/metrics", flush=True)
         for wid, w in st["workers"].items():

@@ -6,7 +6,10 @@ The worker's server (``worker/server.py``) and the router's (``router/service.py
 this way. Imports only grpc and the standard library (uvloop when a thread of its own is
 asked for), so that any kvmesh package may import it.
 
-- ``aio_server``: the server with kvmesh's channel options;
+- ``aio_server``: the server with kvmesh's channel options, keepalive and interceptors;
+- ``channel_options``: the options of every channel kvmesh opens (message sizes, keepalive);
+- ``call_deadline``: a call's time limit: the client's deadline, capped by the server's
+  default one;
 - ``Lifecycle``: the draining flag and the RPCs in flight, shared with the servicers;
 - ``Drain``: ``stop(grace)`` drains once, however often it is called;
 - ``ServerThread``: a uvloop loop on a daemon thread that serves until the server stopped;
@@ -18,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -26,20 +29,77 @@ import grpc
 T = TypeVar("T")
 
 
-def aio_server(max_message_mb: int) -> grpc.aio.Server:
+# Keepalive (docs/security.md, "Liveness"). A client pings a silent connection every
+# KEEPALIVE_TIME_S and drops it when no answer comes within KEEPALIVE_TIMEOUT_S, so a
+# vanished or frozen peer host fails its calls with UNAVAILABLE instead of leaving them
+# hanging; servers do the same towards their clients (freeing a gone client's request), and
+# accept client pings as often as every SERVER_MIN_PING_S (grpc's default would answer a
+# pinging client with GOAWAY "too_many_pings").
+KEEPALIVE_TIME_S = 20.0
+KEEPALIVE_TIMEOUT_S = 10.0
+SERVER_KEEPALIVE_TIME_S = 60.0
+SERVER_MIN_PING_S = 5.0
+DEFAULT_DEADLINE_S = 3600.0  # a Generate with no deadline of its own ends after this
+
+
+def channel_options(
+    max_message_mb: int = 64,
+    keepalive_s: float = KEEPALIVE_TIME_S,
+    keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S,
+) -> list[tuple[str, int]]:
+    """Options of a client channel: message limits both ways and keepalive pings (also
+    while no call is in flight: a member's channels are long-lived)."""
+    if max_message_mb < 1:
+        raise ValueError(f"max_message_mb must be >= 1, got {max_message_mb}")
+    if not keepalive_s > 0 or not keepalive_timeout_s > 0:
+        raise ValueError(
+            f"keepalive_s and keepalive_timeout_s must be > 0, got {keepalive_s}, "
+            f"{keepalive_timeout_s}"
+        )
+    limit = max_message_mb * 2**20
+    return [
+        ("grpc.max_send_message_length", limit),
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.keepalive_time_ms", max(1, round(keepalive_s * 1000))),
+        ("grpc.keepalive_timeout_ms", max(1, round(keepalive_timeout_s * 1000))),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+def aio_server(
+    max_message_mb: int, interceptors: Sequence[grpc.aio.ServerInterceptor] = ()
+) -> grpc.aio.Server:
     """A grpc.aio server that sends and receives messages of up to ``max_message_mb`` MiB,
-    with SO_REUSEPORT off: a second server on a port in use fails to bind instead of
-    sharing its calls."""
+    with SO_REUSEPORT off (a second server on a port in use fails to bind instead of
+    sharing its calls), keepalive towards its clients, and ``interceptors``
+    (``protos.security.AuthInterceptor``)."""
     if max_message_mb < 1:
         raise ValueError(f"max_message_mb must be >= 1, got {max_message_mb}")
     limit = max_message_mb * 2**20
     return grpc.aio.server(
+        interceptors=list(interceptors) or None,
         options=[
             ("grpc.max_send_message_length", limit),
             ("grpc.max_receive_message_length", limit),
             ("grpc.so_reuseport", 0),
-        ]
+            ("grpc.keepalive_time_ms", round(SERVER_KEEPALIVE_TIME_S * 1000)),
+            ("grpc.keepalive_timeout_ms", round(KEEPALIVE_TIMEOUT_S * 1000)),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", round(SERVER_MIN_PING_S * 1000)),
+            ("grpc.http2.max_ping_strikes", 0),
+        ],
     )
+
+
+def call_deadline(context: grpc.aio.ServicerContext, default_s: float | None) -> float | None:
+    """Seconds a call may run: what is left of the client's deadline, capped by the
+    server's ``default_s`` (None: no cap), so that a call with no deadline of its own still
+    ends."""
+    left = context.time_remaining()
+    if default_s is None:
+        return left
+    return default_s if left is None else min(left, default_s)
 
 
 class Lifecycle:

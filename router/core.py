@@ -161,6 +161,9 @@ class RouterCore:
         self.decisions: Counter[str] = Counter()
         self.retries = 0
         self.removed: list[dict] = []  # the most recent removals, with their reasons
+        # called with (worker_id, reason) when a worker that is gone or unresponsive is
+        # dropped (``remove_worker(..., dead=True)``): the server cancels its calls to it
+        self.on_dead: list[Callable[[str, str], None]] = []
         self.metrics = None  # a router.metrics.RouterMetrics, fed as things happen
 
     def _make_policy(self, name: str):
@@ -193,7 +196,9 @@ class RouterCore:
             )
         pages = snapshot_pages(info.get("pages") or ())
         for other in [r for r in self.workers.values() if r.name == name and r.worker_id != wid]:
-            self.remove_worker(other.worker_id, f"replaced by {wid} (the worker restarted)")
+            self.remove_worker(
+                other.worker_id, f"replaced by {wid} (the worker restarted)", dead=True
+            )
         now = self._clock()
         next_seq = int(info["next_seq"])
         # Every cached page was announced by a numbered event, so next_seq >= len(pages) when
@@ -267,9 +272,11 @@ class RouterCore:
         if rec is not None:
             rec.last_heard = self._clock()
 
-    def remove_worker(self, worker_id: str, reason: str) -> bool:
+    def remove_worker(self, worker_id: str, reason: str, *, dead: bool = False) -> bool:
         """Drop a worker from routing, from the index and from the in-flight counts.
-        Returns whether it was known."""
+        Returns whether it was known. ``dead``: it is gone or does not answer (a failed
+        health check, no report, a restart), so the ``on_dead`` listeners cut the calls in
+        flight to it; a worker that leaves by itself (draining) finishes them."""
         rec = self.workers.pop(worker_id, None)
         self.index.remove_worker(worker_id)
         self.inflight.drop_worker(worker_id)
@@ -282,6 +289,12 @@ class RouterCore:
             {"worker_id": worker_id, "name": rec.name, "reason": reason, "at": time.time()}
         )
         del self.removed[:-32]
+        if dead:
+            for listener in self.on_dead:
+                try:
+                    listener(worker_id, reason)
+                except Exception:  # a listener's bug must not keep a dead worker routed
+                    logger.exception("on_dead listener failed for %s", worker_id)
         return True
 
     def expire(self) -> list[str]:
@@ -289,7 +302,9 @@ class RouterCore:
         limit = self._clock() - self.report_timeout_s
         stale = [wid for wid, r in self.workers.items() if r.last_heard < limit]
         for wid in stale:
-            self.remove_worker(wid, f"no report for more than {self.report_timeout_s:.1f}s")
+            self.remove_worker(
+                wid, f"no report for more than {self.report_timeout_s:.1f}s", dead=True
+            )
         return stale
 
     # ------------------------------------------------------------ routing

@@ -26,6 +26,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
 from functools import partial
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -34,10 +35,30 @@ from grpc_reflection.v1alpha import reflection
 from kvmesh.kvstore.hashing import hash_pages
 from kvmesh.protos.kvmesh.v1 import inference_pb2 as ipb
 from kvmesh.protos.kvmesh.v1 import inference_pb2_grpc as ipb_grpc
-from kvmesh.protos.serving import Drain, Lifecycle, ServerThread, aio_server, call_in_loop
+from kvmesh.protos.security import (
+    AccessPolicy,
+    AuthInterceptor,
+    BearerTokens,
+    ClusterIdentity,
+    TLSConfig,
+)
+from kvmesh.protos.serving import (
+    DEFAULT_DEADLINE_S,
+    KEEPALIVE_TIME_S,
+    KEEPALIVE_TIMEOUT_S,
+    Drain,
+    Lifecycle,
+    ServerThread,
+    aio_server,
+    call_in_loop,
+    channel_options,
+)
 from kvmesh.router.core import EventRow, RouterCore, decode_events, encode_event
 from kvmesh.router.load import to_proto
 from kvmesh.router.policies import NoWorkerError
+
+if TYPE_CHECKING:
+    from kvmesh.protos.openai_app import Tokenizer
 
 logger = logging.getLogger("kvmesh.router")
 
@@ -59,13 +80,33 @@ SESSION_METADATA_KEY = "kvmesh-session"  # gRPC metadata: sticky-session key for
 
 _INFERENCE = ipb.DESCRIPTOR.services_by_name["Inference"].full_name
 _MAX_ATTEMPTS = 3  # workers tried for one request while nothing has been streamed
+# what only cluster members may call here: the load (aggregate prefix-cache hits tell
+# whether someone sent a prefix)
+ROUTER_CLUSTER_ONLY = ("/kvmesh.v1.Inference/GetLoad",)
+
+
+def _cancelled_from_outside() -> bool:
+    """Whether the running task itself is being cancelled (the client left, the server is
+    stopping), as opposed to a call it awaits having been cancelled under it."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+class RouteError(Exception):
+    """A routed request that cannot run or failed: the gRPC status it ends with (the HTTP
+    front door maps it to its own)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
 
 
 class RouterServicer(ipb_grpc.InferenceServicer):
     def __init__(self, server: RouterServer) -> None:
         self.srv = server
         self.core = server.core
-        self.active: dict[str, str | None] = {}  # request id -> the worker running it
+        self.active = server.active  # request id -> the worker running it
 
     async def Generate(
         self, request: ipb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -73,68 +114,21 @@ class RouterServicer(ipb_grpc.InferenceServicer):
         if self.srv.life.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the router is shutting down")
         ids = await self._token_ids(request, context)
-        if self.core.block_size is None:  # no worker has ever registered
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is available")
-        try:
-            # salted exactly as the worker salts them: a tenant's pages match only its own
-            salt = request.sampling.cache_salt or None
-            hashes = hash_pages(ids, self.core.block_size, self.core.model_fp, cache_salt=salt)
-        except ValueError as e:  # a token id outside uint32
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad token ids: {e}")
-        rid = request.request_id or uuid.uuid4().hex
-        if rid in self.active:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"request id {rid!r} is already in use"
-            )
-        fwd = ipb.GenerateRequest(
-            token_ids=ipb.TokenIds(ids=ids), sampling=request.sampling, request_id=rid
-        )
         session = dict(context.invocation_metadata() or ()).get(SESSION_METADATA_KEY)
-        self.active[rid] = None
-        self.srv.life.enter()
-        tried: list[str] = []
-        sent = False
-        code = details = None
+        stream = self.srv.route(
+            ids,
+            request.sampling,
+            request.request_id,
+            session=session,
+            timeout=context.time_remaining(),
+        )
         try:
-            while code is None:
-                try:
-                    decision = self.core.assign(
-                        rid, ids, hashes, exclude=tried, session_key=session
-                    )
-                except NoWorkerError as e:
-                    code, details = grpc.StatusCode.UNAVAILABLE, str(e)
-                    break
-                wid = decision.worker_id
-                self.active[rid] = wid
-                del fwd.peer_addresses[:]
-                fwd.peer_addresses.extend(self.core.peers_for(decision))
-                call = self.srv.stub(wid).Generate(fwd, timeout=context.time_remaining())
-                try:
-                    async for msg in call:
-                        if not sent:
-                            self.core.first_token(rid)  # the prefill is done
-                        sent = True
-                        yield msg
-                    return
-                except grpc.aio.AioRpcError as e:
-                    if e.code() != grpc.StatusCode.UNAVAILABLE:
-                        code, details = e.code(), e.details()  # the worker's verdict stands
-                        break
-                    self.core.remove_worker(wid, f"Generate failed: UNAVAILABLE {e.details()}")
-                    tried.append(wid)
-                    if sent or len(tried) >= _MAX_ATTEMPTS:
-                        code = grpc.StatusCode.UNAVAILABLE
-                        details = f"worker {wid} failed: {e.details()}"
-                        break
-                    self.core.retries += 1
-                    logger.warning("request %s: worker %s unavailable, routing again", rid, wid)
-                finally:
-                    call.cancel()  # a no-op once ended; else (client gone) aborts on the worker
+            async for msg in stream:
+                yield msg
+        except RouteError as e:
+            await context.abort(e.code, e.details)
         finally:
-            self.core.release(rid)
-            self.active.pop(rid, None)
-            self.srv.life.leave()
-        await context.abort(code, details)
+            await stream.aclose()  # the client gone: cancels the worker's call
 
     async def _token_ids(self, request: ipb.GenerateRequest, context) -> list[int]:
         which = request.WhichOneof("prompt")
@@ -165,7 +159,7 @@ class RouterServicer(ipb_grpc.InferenceServicer):
         if wid is None or self.core.address_of(wid) is None:
             return ipb.AbortResponse(found=False)
         try:
-            return await self.srv.stub(wid).Abort(request, timeout=10)
+            return await self.srv.stub(wid).Abort(request, timeout=10, metadata=self.srv.member_md)
         except grpc.aio.AioRpcError as e:
             await context.abort(e.code(), f"worker {wid}: {e.details()}")
 
@@ -174,7 +168,9 @@ class RouterServicer(ipb_grpc.InferenceServicer):
     ) -> ipb.ModelInfo:
         for wid in list(self.core.workers):  # any live worker: they all serve one model
             try:
-                return await self.srv.stub(wid).GetModelInfo(request, timeout=10)
+                return await self.srv.stub(wid).GetModelInfo(
+                    request, timeout=10, metadata=self.srv.member_md
+                )
             except grpc.aio.AioRpcError as e:
                 logger.warning("GetModelInfo from %s failed: %s", wid, e.code().name)
         await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is available")
@@ -190,6 +186,17 @@ class RouterServer:
     accepts token-id prompts only. Health is SERVING while at least one worker is live.
     Use ``start_in_thread()`` / ``stop_in_thread()`` to run it on a uvloop loop of its own,
     and ``call(fn, ...)`` to run a core method on that loop from another thread.
+
+    Access and liveness (docs/security.md): ``identity`` (the cluster secret) goes with
+    every call to a worker (workers take ``peer_addresses`` only from a member) and is what
+    ``GetLoad`` here needs; ``tokens``, when set, are what the client methods need;
+    ``tls`` serves the client port with TLS (``cert``/``key``/``client_ca``) and reaches
+    the workers with its ``ca`` (and, under mutual TLS, its certificate). Each routed call
+    ends after ``default_deadline_s`` unless the client's deadline is sooner; the channels
+    to the workers ping every ``keepalive_s`` (a frozen worker host fails its calls with
+    UNAVAILABLE after ``keepalive_timeout_s``), and a worker dropped as dead
+    (``RouterCore.remove_worker(..., dead=True)``) has its calls in flight cut: a client
+    that had tokens gets UNAVAILABLE at once, one that had none is routed again.
     """
 
     def __init__(
@@ -202,10 +209,29 @@ class RouterServer:
         max_message_mb: int = 64,
         grace_s: float = 10.0,
         housekeeping_s: float = 0.25,
+        http_port: int | None = None,
+        tokenizer: Tokenizer | None = None,
         metrics_port: int | None = None,
         prometheus_sd_file: str | None = None,
         model_name: str = "",
+        identity: ClusterIdentity | None = None,
+        tokens: BearerTokens | None = None,
+        tls: TLSConfig | None = None,
+        default_deadline_s: float | None = DEFAULT_DEADLINE_S,
+        keepalive_s: float = KEEPALIVE_TIME_S,
+        keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S,
     ) -> None:
+        if default_deadline_s is not None and not default_deadline_s > 0:
+            raise ValueError(f"default_deadline_s must be > 0 or None, got {default_deadline_s}")
+        self.identity = identity
+        self.tokens = tokens
+        self.tls = tls
+        self.default_deadline_s = default_deadline_s
+        self.member_md = identity.metadata() if identity is not None else None
+        self._channel_options = channel_options(max_message_mb, keepalive_s, keepalive_timeout_s)
+        self._calls: dict[str, dict[str, grpc.aio.Call]] = {}  # worker -> request id -> call
+        self._cut: dict[str, str] = {}  # request id -> why its worker's call was cut
+        core.on_dead.append(self._cut_calls)
         if max_message_mb < 1:  # checked now, not when the server starts
             raise ValueError(f"max_message_mb must be >= 1, got {max_message_mb}")
         if metrics_port is not None and not 0 <= metrics_port < 65536:
@@ -217,6 +243,17 @@ class RouterServer:
         self.grace_s = grace_s
         self.housekeeping_s = housekeeping_s
         self.life = Lifecycle()  # draining flag and streams in flight, with the servicer
+        self.active: dict[str, str | None] = {}  # request id -> the worker running it
+        # the OpenAI-compatible HTTP API (router/http_api.py) on http_port (0: a free one),
+        # on this server's loop; ``tokenizer`` (encode, decode, chat template) is the
+        # workers' model's. Built now so routes can be added before start().
+        self.http_app = self.http = None
+        if http_port is not None:
+            from kvmesh.protos.openai_app import HttpServer
+            from kvmesh.router.http_api import build_router_app
+
+            self.http_app = build_router_app(self, model_name or "kvmesh", tokenizer)
+            self.http = HttpServer(self.http_app, host, http_port)
         self._channels: dict[str, tuple[str, grpc.aio.Channel, ipb_grpc.InferenceStub]] = {}
         self._server: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
@@ -251,17 +288,117 @@ class RouterServer:
             raise KeyError(f"unknown worker {worker_id!r}")
         entry = self._channels.get(worker_id)
         if entry is None or entry[0] != addr:
-            limit = self.max_message_mb * 2**20
-            ch = grpc.aio.insecure_channel(
-                addr,
-                options=[
-                    ("grpc.max_send_message_length", limit),
-                    ("grpc.max_receive_message_length", limit),
-                ],
-            )
+            if self.tls is not None:
+                creds = self.tls.channel_credentials()
+                ch = grpc.aio.secure_channel(addr, creds, options=self._channel_options)
+            else:
+                ch = grpc.aio.insecure_channel(addr, options=self._channel_options)
             entry = (addr, ch, ipb_grpc.InferenceStub(ch))
             self._channels[worker_id] = entry
         return entry[2]
+
+    async def route(
+        self,
+        ids: list[int],
+        sampling: ipb.SamplingParams,
+        request_id: str = "",
+        *,
+        session: str | None = None,
+        timeout: float | None = None,
+    ) -> AsyncIterator[ipb.GenerateResponse]:
+        """Route one request (token ids) and stream the chosen worker's responses: page
+        hashes (salted with ``sampling.cache_salt``) -> ``RouterCore.assign`` -> the worker's
+        Generate, routed again among the others while nothing has been streamed when a worker
+        is UNAVAILABLE. gRPC Generate and the HTTP API both come through here. Raises
+        RouteError; closing the iterator early cancels the worker's call (which aborts the
+        request there)."""
+        if self.life.draining:
+            raise RouteError(grpc.StatusCode.UNAVAILABLE, "the router is shutting down")
+        if self.default_deadline_s is not None:  # a call with no deadline must still end
+            timeout = min(timeout or self.default_deadline_s, self.default_deadline_s)
+        core = self.core
+        if core.block_size is None:  # no worker has ever registered
+            raise RouteError(grpc.StatusCode.UNAVAILABLE, "no worker is available")
+        try:
+            # salted exactly as the worker salts them: a tenant's pages match only its own
+            salt = sampling.cache_salt or None
+            hashes = hash_pages(ids, core.block_size, core.model_fp, cache_salt=salt)
+        except ValueError as e:  # a token id outside uint32
+            raise RouteError(grpc.StatusCode.INVALID_ARGUMENT, f"bad token ids: {e}") from None
+        rid = request_id or uuid.uuid4().hex
+        if rid in self.active:
+            raise RouteError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"request id {rid!r} is already in use"
+            )
+        fwd = ipb.GenerateRequest(
+            token_ids=ipb.TokenIds(ids=ids), sampling=sampling, request_id=rid
+        )
+        self.active[rid] = None
+        self.life.enter()
+        tried: list[str] = []
+        sent = False
+        code = details = None
+        try:
+            while code is None:
+                try:
+                    decision = core.assign(rid, ids, hashes, exclude=tried, session_key=session)
+                except NoWorkerError as e:
+                    code, details = grpc.StatusCode.UNAVAILABLE, str(e)
+                    break
+                wid = decision.worker_id
+                self.active[rid] = wid
+                del fwd.peer_addresses[:]
+                fwd.peer_addresses.extend(core.peers_for(decision))
+                call = self.stub(wid).Generate(fwd, timeout=timeout, metadata=self.member_md)
+                self._calls.setdefault(wid, {})[rid] = call
+                try:
+                    async for msg in call:
+                        if not sent:
+                            core.first_token(rid)  # the prefill is done
+                        sent = True
+                        yield msg
+                    return
+                except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
+                    cut = self._cut.pop(rid, None)  # the worker was dropped as dead
+                    if cut is not None and not _cancelled_from_outside():
+                        err_code, err = grpc.StatusCode.UNAVAILABLE, f"dropped as dead: {cut}"
+                    elif isinstance(e, asyncio.CancelledError):
+                        raise  # the client left (or the server stops): not the worker's doing
+                    else:
+                        err_code, err = e.code(), e.details()
+                    if err_code != grpc.StatusCode.UNAVAILABLE:
+                        code, details = err_code, err  # the worker's verdict stands
+                        break
+                    if cut is None:
+                        core.remove_worker(wid, f"Generate failed: UNAVAILABLE {err}")
+                    tried.append(wid)
+                    if sent or len(tried) >= _MAX_ATTEMPTS:
+                        code = grpc.StatusCode.UNAVAILABLE
+                        details = f"worker {wid} failed: {err}"
+                        break
+                    core.retries += 1
+                    logger.warning("request %s: worker %s unavailable, routing again", rid, wid)
+                finally:
+                    self._calls.get(wid, {}).pop(rid, None)
+                    self._cut.pop(rid, None)
+                    call.cancel()  # a no-op once ended; else (client gone) aborts on the worker
+        finally:
+            core.release(rid)
+            self.active.pop(rid, None)
+            self.life.leave()
+        raise RouteError(code, details)
+
+    def _cut_calls(self, worker_id: str, reason: str) -> None:
+        """``RouterCore.on_dead``: cancel the calls in flight to a worker dropped as dead;
+        ``route`` sees each end and answers UNAVAILABLE (or routes it again)."""
+        calls = self._calls.pop(worker_id, {})
+        for rid, call in calls.items():
+            self._cut[rid] = reason
+            call.cancel()
+        if calls:
+            logger.warning(
+                "worker %s dropped (%s): cut %d calls in flight", worker_id, reason, len(calls)
+            )
 
     @property
     def metrics_address(self) -> str | None:
@@ -310,7 +447,8 @@ class RouterServer:
         self._sd_written = groups
 
     async def start(self) -> int:
-        server = aio_server(self.max_message_mb)
+        policy = AccessPolicy(self.identity, self.tokens, ROUTER_CLUSTER_ONLY)
+        server = aio_server(self.max_message_mb, [AuthInterceptor(policy)])
         if self.metrics_port is not None:
             from kvmesh.protos.metrics import serve_metrics
 
@@ -321,7 +459,11 @@ class RouterServer:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         names = [_INFERENCE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
         reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], server)
-        port = server.add_insecure_port(f"{self.host}:{self.port}")
+        target = f"{self.host}:{self.port}"
+        if self.tls is not None and self.tls.serves:
+            port = server.add_secure_port(target, self.tls.server_credentials())
+        else:
+            port = server.add_insecure_port(target)
         if port == 0:
             raise OSError(f"cannot bind {self.host}:{self.port}")
         self.port = port
@@ -329,6 +471,8 @@ class RouterServer:
         await server.start()
         self._server = server
         self._loop = asyncio.get_running_loop()
+        if self.http is not None:
+            await self.http.start()
         self._stopped = asyncio.Event()
         self._tasks.append(asyncio.ensure_future(self._housekeeping()))
         logger.info("router %s serving on %s:%d", self.core.router_id, self.host, port)
@@ -376,7 +520,9 @@ class RouterServer:
         self.life.draining = True
         await self._health.enter_graceful_shutdown()
         logger.info("router draining: %d in-flight streams", len(self.life.inflight))
-        await self._drain.wait_for(self.life.inflight)
+        await self._drain.wait_for(self.life.inflight)  # HTTP requests included
+        if self.http is not None:
+            await self.http.stop()
         await self._server.stop(None)  # once, after the drain (protos.serving.Drain)
         for t in self._tasks:
             t.cancel()

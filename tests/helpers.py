@@ -4,6 +4,13 @@ from __future__ import annotations
 
 import contextlib
 
+from kvmesh.protos.security import ClusterIdentity
+
+# the cluster secret of the tests' own servers: a test that acts as a cluster member (calls
+# KVTransfer, GetLoad, names peers) carries it; a local Ray cluster draws its own
+# (Cluster.identity)
+TEST_IDENTITY = ClusterIdentity(b"kvmesh-tests-cluster-secret-0123456789")
+
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, ignore_eos=True) -> list[int]:
     """transformers' greedy continuation; with ignore_eos it never stops early."""
@@ -112,3 +119,32 @@ def restart_router(cluster, timeout: float = 120.0) -> bool:
             return False
 
     return wait_until(restarted, timeout=timeout)
+
+
+def member_channel(address: str, identity: ClusterIdentity = TEST_IDENTITY):
+    """A plaintext grpc channel whose every call carries ``identity``'s credential: a test
+    that talks to KVTransfer (or GetLoad) as a cluster member would."""
+    import grpc
+
+    class AddMetadata(
+        grpc.UnaryUnaryClientInterceptor,
+        grpc.UnaryStreamClientInterceptor,
+        grpc.StreamUnaryClientInterceptor,
+        grpc.StreamStreamClientInterceptor,
+    ):
+        def _with(self, details):
+            return details._replace(metadata=(*(details.metadata or ()), *identity.metadata()))
+
+        def intercept_unary_unary(self, continuation, details, request):
+            return continuation(self._with(details), request)
+
+        def intercept_unary_stream(self, continuation, details, request):
+            return continuation(self._with(details), request)
+
+        def intercept_stream_unary(self, continuation, details, requests):
+            return continuation(self._with(details), requests)
+
+        def intercept_stream_stream(self, continuation, details, requests):
+            return continuation(self._with(details), requests)
+
+    return grpc.intercept_channel(grpc.insecure_channel(address), AddMetadata())

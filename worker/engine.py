@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -43,6 +44,11 @@ from kvmesh.worker.sampler import sample
 from kvmesh.worker.sampling_params import SamplingParams
 from kvmesh.worker.scheduler import Scheduler, SchedulerOutput
 from kvmesh.worker.tokenizer import IncrementalDetokenizer, Tokenizer
+
+if TYPE_CHECKING:  # grpc is imported only when a peer is named
+    from kvmesh.protos.security import ClusterIdentity, TLSConfig
+
+MAX_PEER_HINTS = 4  # peer addresses one request may name (the router names at most 2)
 
 logger = logging.getLogger("kvmesh.engine")
 
@@ -96,6 +102,8 @@ class LLMEngine:
         redis_ttl_s: float | None = None,
         extra_tiers: Sequence[Tier] = (),
         enable_metrics: bool = True,
+        peer_identity: ClusterIdentity | None = None,
+        peer_tls: TLSConfig | None = None,
     ):
         if envs.num_threads():
             torch.set_num_threads(envs.num_threads())
@@ -150,6 +158,10 @@ class LLMEngine:
             extra_tiers=extra_tiers,
         )
         self.connector = KVConnector(self.kv, self.memory, store)
+        # peers a router names are fetched from as a cluster member (docs/security.md); with
+        # no cluster identity, a request's peers are refused
+        self.peer_identity = peer_identity
+        self.connector.offloader.set_peer_auth(peer_identity, peer_tls)
         self.scheduler = Scheduler(self.scheduler_config, self.kv, self.connector)
         backend_name = attention_backend or default_backend_name(self.device.type)
         self.backend = get_backend(backend_name, sliding_window=cfg.sliding_window)
@@ -321,6 +333,12 @@ class LLMEngine:
             prompt=prompt if isinstance(prompt, str) else None,
         )
         if peers:
+            if self.peer_identity is None:
+                raise ValueError(
+                    "peer addresses need a cluster identity (peer_identity): this engine has none"
+                )
+            if len(peers) > MAX_PEER_HINTS:
+                raise ValueError(f"at most {MAX_PEER_HINTS} peer addresses, got {len(peers)}")
             bad = [p for p in peers if not isinstance(p, str) or ":" not in p]
             if bad:
                 raise ValueError(f"peer addresses must be 'host:port', got {bad[:3]}")

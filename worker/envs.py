@@ -35,3 +35,9 @@ def cpu_kernels_enabled() -> bool:
 def c_compiler() -> str:
     """CC: the C compiler that builds the CPU kernels (default ``cc``)."""
     return _str("CC", "") or "cc"
+
+
+def cluster_secret() -> str | None:
+    """KVMESH_CLUSTER_SECRET: the cluster secret (at least 16 bytes) of a standalone
+    ``kvmesh worker``, when ``--cluster-secret-file`` is not given (docs/security.md)."""
+    return os.environ.get("KVMESH_CLUSTER_SECRET") or None

@@ -5,7 +5,11 @@ Status codes: INVALID_ARGUMENT for bad input (the engine's ValueError message),
 RESOURCE_EXHAUSTED when the waiting queue is full, UNAVAILABLE while shutting down (or after
 the engine died). A client that cancels, disconnects or runs past its deadline aborts its
 request: grpc.aio cancels the handler, which leaves the engine stream, which aborts the
-request and frees its pages.
+request and frees its pages. A Generate still running after the server's default
+deadline (``deadline_s``; the client's own, when shorter, is grpc's to enforce) is aborted
+and ends with DEADLINE_EXCEEDED. ``peer_addresses`` are taken only from a cluster member (the
+router): from anyone else PERMISSION_DENIED, so no client can make this worker contact a
+host or take pages from it.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ import grpc
 
 from kvmesh.protos.kvmesh.v1 import inference_pb2 as ipb
 from kvmesh.protos.kvmesh.v1 import inference_pb2_grpc as ipb_grpc
-from kvmesh.protos.serving import Lifecycle
+from kvmesh.protos.security import ClusterIdentity
+from kvmesh.protos.serving import Lifecycle, call_deadline
 from kvmesh.worker.async_engine import AsyncEngine, EngineDeadError
 from kvmesh.worker.engine import LLMEngine, QueueFullError
 from kvmesh.worker.outputs import RequestOutput
@@ -72,9 +77,18 @@ def response_from_output(out: RequestOutput, worker_id: str) -> ipb.GenerateResp
 
 
 class InferenceServicer(ipb_grpc.InferenceServicer):
-    def __init__(self, engine: AsyncEngine, life: Lifecycle) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        life: Lifecycle,
+        *,
+        identity: ClusterIdentity | None = None,
+        deadline_s: float | None = None,
+    ) -> None:
         self.aeng = engine
         self.life = life
+        self.identity = identity
+        self.deadline_s = deadline_s
         self.worker_id = engine.engine.engine_id
         self.active: set[str] = set()
 
@@ -105,13 +119,35 @@ class InferenceServicer(ipb_grpc.InferenceServicer):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"request id {rid!r} is already in use"
             )
-        stream = self.aeng.generate(prompt, params, rid, peers=list(request.peer_addresses))
+        peers = list(request.peer_addresses)
+        if peers and not (
+            self.identity is not None and self.identity.authenticates(context.invocation_metadata())
+        ):
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "peer_addresses may be set only by the cluster's router (a cluster member)",
+            )
+        stream = self.aeng.generate(prompt, params, rid, peers=peers)
         self.life.enter()
         self.active.add(rid)
         code = details = None
+        expired = False
+        limit = call_deadline(context, self.deadline_s)
+
+        def expire() -> None:
+            nonlocal expired
+            expired = True
+            self.aeng.abort(rid)  # wakes the stream below with the request's last output
+
+        timer = asyncio.get_running_loop().call_later(limit, expire) if limit else None
         try:
             async for out in stream:
+                if expired:
+                    break
                 yield response_from_output(out, self.worker_id)
+            if expired:
+                code = grpc.StatusCode.DEADLINE_EXCEEDED
+                details = f"the server's deadline of {limit:.0f}s for one Generate passed"
         except QueueFullError as e:
             code, details = grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
         except ValueError as e:
@@ -119,6 +155,8 @@ class InferenceServicer(ipb_grpc.InferenceServicer):
         except EngineDeadError as e:
             code, details = grpc.StatusCode.UNAVAILABLE, str(e)
         finally:
+            if timer is not None:
+                timer.cancel()
             # leaving the engine stream early (cancel, disconnect, deadline) aborts the request
             await stream.aclose()
             self.active.discard(rid)

@@ -30,6 +30,8 @@ from kvmesh.worker.request import Request
 
 logger = logging.getLogger("kvmesh.offload")
 
+MAX_PEER_STORES = 32  # peers' connections kept open (least recently named closed first)
+
 
 @dataclass
 class FetchResult:
@@ -57,6 +59,8 @@ class KVOffloader:
         self.page_nbytes = spec.page_nbytes
         self.peer_timeout_s = peer_timeout_s
         self._peer_stores: dict[str, TieredStore] = {}  # hinted address -> its one-tier store
+        self._peer_identity = None  # set_peer_auth: without it, no peer is contacted
+        self._peer_tls = None
         self.max_spill_backlog = max_spill_backlog
         self._spill_pool = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-spill")
         self._fetch_pool = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-fetch")
@@ -167,13 +171,32 @@ class KVOffloader:
             self._fetch, req, first_page, list(hashes), list(on_device), spilled, time.monotonic()
         )
 
+    def set_peer_auth(self, identity, tls) -> None:
+        """The cluster identity (``protos.security.ClusterIdentity``) and TLS material
+        (``TLSConfig``) to fetch from the peers requests name with; without an identity no
+        peer is contacted."""
+        self._peer_identity = identity
+        self._peer_tls = tls
+
     def _peer_store(self, address: str) -> TieredStore:
-        store = self._peer_stores.get(address)
+        """The one-tier store of a peer (fetch thread only). At most ``MAX_PEER_STORES``
+        are kept: workers that restart come back on new ports, and the oldest go."""
+        store = self._peer_stores.pop(address, None)
         if store is None:
             from kvmesh.kvstore.peer import PeerTier  # grpc only when a peer is named
 
-            tier = PeerTier([address], timeout=self.peer_timeout_s)
-            store = self._peer_stores[address] = TieredStore(self.spec, [tier])
+            tls = self._peer_tls
+            tier = PeerTier(
+                [address],
+                identity=self._peer_identity,
+                timeout=self.peer_timeout_s,
+                credentials=tls.channel_credentials() if tls is not None else None,
+            )
+            store = TieredStore(self.spec, [tier])
+            while len(self._peer_stores) >= MAX_PEER_STORES:
+                oldest = next(iter(self._peer_stores))
+                self._peer_stores.pop(oldest).close()
+        self._peer_stores[address] = store  # most recently used last
         return store
 
     def _fetch_run(
@@ -214,7 +237,11 @@ class KVOffloader:
             got: list = []
             if self.store is not None:
                 got = self._fetch_run(self.store, hashes, on_device)
-            for address in req.peer_hints:  # the rest, from peers the router named
+            if self._peer_identity is None:
+                hints = []  # a member may fetch only as a member; make_request refuses them
+            else:
+                hints = req.peer_hints
+            for address in hints:  # the rest, from peers the router named
                 if len(got) == len(hashes):
                     break
                 rest = slice(len(got), None)

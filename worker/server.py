@@ -23,12 +23,23 @@ from kvmesh.protos.kvmesh.v1 import inference_pb2 as ipb
 from kvmesh.protos.kvmesh.v1 import inference_pb2_grpc as ipb_grpc
 from kvmesh.protos.kvmesh.v1 import kv_transfer_pb2 as kpb
 from kvmesh.protos.kvmesh.v1 import kv_transfer_pb2_grpc as kpb_grpc
-from kvmesh.protos.serving import Drain, Lifecycle, ServerThread, aio_server
+from kvmesh.protos.security import (
+    AccessPolicy,
+    AuthInterceptor,
+    BearerTokens,
+    ClusterIdentity,
+    TLSConfig,
+)
+from kvmesh.protos.serving import DEFAULT_DEADLINE_S, Drain, Lifecycle, ServerThread, aio_server
 from kvmesh.worker.async_engine import AsyncEngine
 from kvmesh.worker.engine import LLMEngine
 from kvmesh.worker.inference_servicer import InferenceServicer
 
 logger = logging.getLogger("kvmesh.server")
+
+# what only cluster members may call (docs/security.md): every KVTransfer method, and the
+# load (it tells whether someone's prefix is cached)
+CLUSTER_ONLY_METHODS = ("/kvmesh.v1.KVTransfer/", "/kvmesh.v1.Inference/GetLoad")
 
 __all__ = [
     "InferenceServicer",
@@ -55,6 +66,14 @@ class WorkerServer:
     a page source there is nothing to serve and no data plane.
     Use ``await start()`` / ``await stop()`` in a running loop, or ``start_in_thread()`` /
     ``stop_in_thread()`` to run it on a uvloop loop of its own.
+
+    Access (docs/security.md): ``identity`` is the cluster's secret. ``KVTransfer``,
+    ``GetLoad`` and a ``Generate`` that names ``peer_addresses`` need it (UNAUTHENTICATED,
+    PERMISSION_DENIED otherwise); without one, they are refused to everyone and there is
+    no data plane. ``tokens``: when set, the client methods (``Generate``, ``Abort``,
+    ``GetModelInfo``) need one of them (or the cluster identity); health and reflection
+    stay open. ``default_deadline_s`` caps how long a ``Generate`` runs (its own deadline,
+    when shorter, wins).
     """
 
     def __init__(
@@ -69,9 +88,15 @@ class WorkerServer:
         own_engine: bool | None = None,
         data_plane: bool | None = None,
         data_plane_port: int = 0,
+        http_port: int | None = None,
         server_credentials: grpc.ServerCredentials | None = None,
         metrics_port: int | None = None,
+        identity: ClusterIdentity | None = None,
+        tokens: BearerTokens | None = None,
+        default_deadline_s: float | None = DEFAULT_DEADLINE_S,
     ) -> None:
+        if default_deadline_s is not None and not default_deadline_s > 0:
+            raise ValueError(f"default_deadline_s must be > 0 or None, got {default_deadline_s}")
         if not 0 <= data_plane_port < 65536:
             raise ValueError(f"data_plane_port must be in [0, 65535], got {data_plane_port}")
         if max_message_mb < 1:
@@ -91,7 +116,11 @@ class WorkerServer:
         self.page_source = page_source
         if data_plane is None:
             data_plane = server_credentials is None
-        self.data_plane_enabled = data_plane and page_source is not None
+        self.identity = identity
+        self.tokens = tokens
+        self.default_deadline_s = default_deadline_s
+        # the data plane authenticates with a key derived from the cluster secret
+        self.data_plane_enabled = data_plane and page_source is not None and identity is not None
         self.data_plane_port = data_plane_port
         self.data_plane: DataPlaneServer | None = None
         self.server_credentials = server_credentials
@@ -106,6 +135,16 @@ class WorkerServer:
         self._stopped: asyncio.Event | None = None
         self._thread = ServerThread("kvmesh-grpc")
         self.inference: InferenceServicer | None = None
+        # the OpenAI-compatible HTTP API (worker/http_api.py) on http_port (0: a free one),
+        # same host and loop as gRPC; built now so routes can be added before start()
+        self.http_app = None
+        self.http = None
+        if http_port is not None and engine is not None:
+            from kvmesh.protos.openai_app import HttpServer
+            from kvmesh.worker.http_api import build_worker_app
+
+            self.http_app = build_worker_app(engine, self._life)
+            self.http = HttpServer(self.http_app, host, http_port)
         # Prometheus /metrics of the engine on its own HTTP port (None: not served; 0: any
         # free port), on the same host as gRPC
         if metrics_port is not None and not 0 <= metrics_port < 65536:
@@ -138,16 +177,24 @@ class WorkerServer:
 
     async def start(self) -> int:
         """Bind and start serving; returns the bound port."""
-        server = aio_server(self.max_message_mb)
+        policy = AccessPolicy(self.identity, self.tokens, CLUSTER_ONLY_METHODS)
+        server = aio_server(self.max_message_mb, [AuthInterceptor(policy)])
         self._start_metrics()
         names = [kpb.DESCRIPTOR.services_by_name["KVTransfer"].full_name]
         if self.engine is not None:
-            self.inference = InferenceServicer(self.engine, self._life)
+            self.inference = InferenceServicer(
+                self.engine, self._life, identity=self.identity, deadline_s=self.default_deadline_s
+            )
             ipb_grpc.add_InferenceServicer_to_server(self.inference, server)
             names.append(ipb.DESCRIPTOR.services_by_name["Inference"].full_name)
         asked_port = self.data_plane_port
         if self.data_plane_enabled:
-            self.data_plane = DataPlaneServer(self.page_source, self.host, self.data_plane_port)
+            self.data_plane = DataPlaneServer(
+                self.page_source,
+                self.host,
+                self.data_plane_port,
+                key=self.identity.data_plane_key,
+            )
             self.data_plane_port = await asyncio.to_thread(self.data_plane.start)
         try:
             port = await self._start_grpc(server, names)
@@ -158,11 +205,16 @@ class WorkerServer:
             raise
         self._server = server
         self._stopped = asyncio.Event()
+        if self.http is not None:
+            await self.http.start()
         if self.engine is not None:
             self._watch_engine()
         services, where = ", ".join(names), f"{self.host}:{port}"
         dp = f", page data plane on port {self.data_plane_port}" if self.data_plane else ""
-        logger.info("worker %s serving %s on %s%s", self.worker_id, services, where, dp)
+        auth = f"cluster {self.identity.fingerprint}" if self.identity else "no cluster secret"
+        auth += ", TLS" if self.server_credentials is not None else ", plaintext"
+        auth += f", {len(self.tokens)} client tokens" if self.tokens else ""
+        logger.info("worker %s serving %s on %s%s (%s)", self.worker_id, services, where, dp, auth)
         return port
 
     def _watch_engine(self) -> None:
@@ -236,6 +288,8 @@ class WorkerServer:
         await self._drain.wait_for(self._life.inflight, busy=lambda: dp is not None and dp.busy > 0)
         if dp is not None:
             await asyncio.to_thread(dp.stop)  # what is still in flight ends: clients see misses
+        if self.http is not None:
+            await self.http.stop()  # its requests were drained with the gRPC ones
         await self._server.stop(None)
         if self.metrics_server is not None:
             await asyncio.to_thread(self.metrics_server.stop)
@@ -269,7 +323,12 @@ def serve_worker(
     page_source: PageSource | None = None,
     data_plane: bool | None = None,
     data_plane_port: int = 0,
+    http_port: int | None = None,
     metrics_port: int | None = None,
+    identity: ClusterIdentity | None = None,
+    tokens: BearerTokens | None = None,
+    tls: TLSConfig | None = None,
+    default_deadline_s: float | None = DEFAULT_DEADLINE_S,
     **engine_args,
 ) -> None:
     """Load the model, serve until SIGTERM/SIGINT, drain, exit (``kvmesh worker``).
@@ -280,6 +339,8 @@ def serve_worker(
 
     if model is not None:
         engine_args["model"] = model
+    engine_args.setdefault("peer_identity", identity)  # for the peers a router names
+    engine_args.setdefault("peer_tls", tls)
     engine = LLMEngine(**engine_args)  # the slow part, before the loop starts
     server = WorkerServer(
         engine,
@@ -290,7 +351,12 @@ def serve_worker(
         grace_s=grace_s,
         data_plane=data_plane,
         data_plane_port=data_plane_port,
+        http_port=http_port,
         metrics_port=metrics_port,
+        server_credentials=tls.server_credentials() if tls is not None and tls.serves else None,
+        identity=identity,
+        tokens=tokens,
+        default_deadline_s=default_deadline_s,
     )
 
     async def main() -> None:

@@ -11,19 +11,23 @@ docs/grpc.md, "Data plane").
 - ``memory``: the reused receive mappings the client receives objects into;
 - ``sockets``: deadlines, scatter sends and receives on blocking sockets.
 
-The connection is not encrypted, and the token only proves that the client could talk to
-the gRPC service; that is why a worker whose gRPC port uses TLS runs no data plane unless
-told to.
+Requests and pages are authenticated with a key derived from the cluster secret (HMAC-
+SHA256, ``protocol``): only a cluster member gets pages, and a client accepts only pages a
+member sent for its request. The bytes are not encrypted; that is why a worker whose gRPC
+port uses TLS runs no data plane unless told to (docs/security.md).
 """
 
 from kvmesh.kvstore.dataplane.client import DataPlaneClient, DataPlaneFetch, detached
 from kvmesh.kvstore.dataplane.memory import ARENA_BYTES, ARENA_KEEP_BYTES
 from kvmesh.kvstore.dataplane.protocol import (
     FOUND,
+    KEY_BYTES,
+    MAC_BYTES,
     MAGIC,
     MAX_OBJECT_BYTES,
     MAX_REQUEST_PAGES,
     MISS,
+    NONCE_BYTES,
     PAGE_HEAD,
     REQUEST_HEAD,
     TOKEN_BYTES,
@@ -36,10 +40,13 @@ __all__ = [
     "ARENA_BYTES",
     "ARENA_KEEP_BYTES",
     "FOUND",
+    "KEY_BYTES",
+    "MAC_BYTES",
     "MAGIC",
     "MAX_OBJECT_BYTES",
     "MAX_REQUEST_PAGES",
     "MISS",
+    "NONCE_BYTES",
     "PAGE_HEAD",
     "REQUEST_HEAD",
     "TOKEN_BYTES",

@@ -8,7 +8,9 @@ opaque bytes; whoever decodes them checks them.
 
 from __future__ import annotations
 
+import hmac
 import logging
+import secrets
 import socket
 import threading
 import time
@@ -19,13 +21,17 @@ from typing import TypeVar
 from kvmesh.kvstore.dataplane.memory import Arena
 from kvmesh.kvstore.dataplane.protocol import (
     FOUND,
+    MAC_BYTES,
     MAX_OBJECT_BYTES,
     MAX_REQUEST_PAGES,
     MISS,
+    NONCE_BYTES,
     PAGE_HEAD,
     TOKEN_BYTES,
     DataPlaneError,
+    check_key,
     encode_request,
+    page_mac,
 )
 from kvmesh.kvstore.dataplane.sockets import recv_into, send_all, still_open, time_left
 
@@ -66,6 +72,10 @@ class DataPlaneClient:
     back to the pool when the last object cut from it is dropped, so a caller that keeps
     one object keeps its whole mapping from reuse. An object claiming more than
     ``max_object_bytes`` is refused before any memory is set aside for it.
+
+    ``key`` is the cluster's data-plane key: requests carry its MAC, and an object whose
+    MAC does not verify (not sent by a cluster member for this request) ends the fetch
+    with a ``DataPlaneError`` and is not returned.
     """
 
     def __init__(
@@ -74,6 +84,7 @@ class DataPlaneClient:
         port: int,
         token: bytes,
         *,
+        key: bytes,
         max_pages: int = MAX_REQUEST_PAGES,
         connect_timeout: float = 2.0,
         max_object_bytes: int = MAX_OBJECT_BYTES,
@@ -81,6 +92,7 @@ class DataPlaneClient:
     ) -> None:
         if len(token) != TOKEN_BYTES:
             raise ValueError(f"token must be {TOKEN_BYTES} bytes, got {len(token)}")
+        self.key = check_key(key)
         self.host = host.strip("[]")
         self.port = port
         self.token = token
@@ -130,8 +142,10 @@ class DataPlaneClient:
         arena: Arena,
         out: DataPlaneFetch,
     ) -> None:
-        request = encode_request(self.token, part)
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        request = encode_request(self.token, part, self.key, nonce)
         head = bytearray(PAGE_HEAD.size)
+        mac = bytearray(MAC_BYTES)
         for attempt in range(2):
             sock, reused = self._checkout(deadline)
             answered = False
@@ -153,6 +167,12 @@ class DataPlaneClient:
                         )
                     obj = arena.take(n, hint=n * (total - offset - i))
                     recv_into(sock, obj, deadline=deadline)
+                    recv_into(sock, memoryview(mac), deadline=deadline)
+                    want = page_mac(self.key, nonce, bytes(head), part[i], obj)
+                    if not hmac.compare_digest(want, bytes(mac)):
+                        raise DataPlaneError(
+                            f"page {offset + i}: wrong MAC (not sent by a member of this cluster)"
+                        )
                     out.objects[offset + i] = obj
             except BaseException as e:
                 sock.close()

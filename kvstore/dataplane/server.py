@@ -25,13 +25,17 @@ from typing import TYPE_CHECKING
 
 from kvmesh.kvstore.dataplane.protocol import (
     FOUND,
+    MAC_BYTES,
     MAX_REQUEST_PAGES,
     MISS,
     PAGE_HEAD,
     REQUEST_HEAD,
     TOKEN_BYTES,
     DataPlaneError,
+    check_key,
+    page_mac,
     read_request_head,
+    request_mac_ok,
     split_hashes,
 )
 from kvmesh.kvstore.dataplane.sockets import recv_into, send_all, set_timeout, shutdown
@@ -66,7 +70,10 @@ class DataPlaneServer:
     The source is asked for ``batch_pages`` pages at a time, as the gRPC ``Fetch`` asks it,
     the next batch while the connection's thread sends the current one (an engine source
     copies device pages on its engine thread meanwhile); ``None`` serves misses only.
-    ``token`` is drawn per server (``secrets``) unless given.
+    ``token`` is drawn per server (``secrets``) unless given. ``key`` is the cluster's
+    data-plane key (``ClusterIdentity.data_plane_key``): a request whose MAC it does not
+    verify closes the connection before any page is read, and every page sent carries a
+    MAC with it (``protocol``).
 
     Deadlines (seconds, whole messages; see the module docstring): ``idle_timeout_s``
     between requests, ``request_timeout_s`` for the rest of a request once its first byte
@@ -80,6 +87,7 @@ class DataPlaneServer:
         host: str = "127.0.0.1",
         port: int = 0,
         *,
+        key: bytes,
         token: bytes | None = None,
         max_pages: int = MAX_REQUEST_PAGES,
         batch_pages: int = 32,
@@ -104,6 +112,7 @@ class DataPlaneServer:
                 "idle_timeout_s, request_timeout_s and io_timeout_s must be > 0, got "
                 f"{idle_timeout_s}, {request_timeout_s}, {io_timeout_s}"
             )
+        self.key = check_key(key)
         self.source = source
         self.host = host.strip("[]")
         self.port = port
@@ -278,12 +287,15 @@ class DataPlaneServer:
             conn.idle_since = None
         deadline = time.monotonic() + self.request_timeout_s  # the rest of the request
         recv_into(sock, view[1:], deadline=deadline)
-        count = read_request_head(head, self.token, self.max_pages)
+        count, nonce = read_request_head(head, self.token, self.max_pages)
+        raw = bytearray(count * PAGE_HASH_BYTES + MAC_BYTES)
+        recv_into(sock, memoryview(raw), deadline=deadline)
+        body = memoryview(raw)[: count * PAGE_HASH_BYTES]
+        if not request_mac_ok(self.key, head, body, raw[-MAC_BYTES:]):
+            raise DataPlaneError("wrong request MAC (not a member of this cluster)")
         if self.draining or self._closed:
             raise _Closed()
-        raw = bytearray(count * PAGE_HASH_BYTES)
-        recv_into(sock, memoryview(raw), deadline=deadline)
-        hashes = split_hashes(raw)
+        hashes = split_hashes(body)
         starts = range(0, count, self.batch_pages)
         batches = [hashes[i : i + self.batch_pages] for i in starts]
         with self._lock:
@@ -305,7 +317,9 @@ class DataPlaneServer:
                         continue
                     body = memoryview(obj).cast("B")  # bytes, not items: the framed length
                     page = PAGE_HEAD.pack(start + j, FOUND, body.nbytes)
-                    send_all(sock, [misses, page, body], time.monotonic() + self.io_timeout_s)
+                    mac = page_mac(self.key, nonce, page, batch[j], body)
+                    deadline = time.monotonic() + self.io_timeout_s
+                    send_all(sock, [misses, page, body, mac], deadline)
                     misses = bytearray()
             if misses:
                 send_all(sock, [misses], time.monotonic() + self.io_timeout_s)

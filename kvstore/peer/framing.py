@@ -91,18 +91,28 @@ def page_chunks(
 
 class PageAssembler:
     """Reassembles pieces into objects, keyed by whatever the caller chooses (the index in a
-    Fetch, the hash in a Push). Pieces of one object must arrive in order."""
+    Fetch, the hash in a Push). Pieces of one object must arrive in order.
 
-    def __init__(self, max_page_bytes: int = MAX_PAGE_BYTES) -> None:
+    Bounds: an object may claim at most ``max_page_bytes``; the objects started and not
+    finished may together claim at most ``max_partial_bytes`` (None: no bound beyond the
+    first), so a sender that starts many objects and never finishes them cannot make the
+    receiver hold more than that: a piece that would go beyond is dropped."""
+
+    def __init__(
+        self, max_page_bytes: int = MAX_PAGE_BYTES, max_partial_bytes: int | None = None
+    ) -> None:
         self.max_page_bytes = max_page_bytes
+        self.max_partial_bytes = max_partial_bytes
         self._partial: dict[Hashable, tuple[bytearray, int, int]] = {}
+        self._partial_bytes = 0  # sum of the sizes the unfinished objects claim
         self.corrupt = 0  # objects dropped: out-of-order piece, size or CRC mismatch
+        self.over_limit = 0  # objects dropped for max_partial_bytes
 
     def add(self, key: Hashable, piece: pb.PagePiece) -> tuple[bool, bytes | None] | None:
         """Feed one piece. Returns None while the object is incomplete, ``(True, object)``
         when it is complete and intact, ``(False, None)`` for a miss or a dropped object."""
         if not piece.found:
-            self._partial.pop(key, None)
+            self._forget(key)
             return False, None
         if piece.offset == 0 and len(piece.data) == piece.total_size and key not in self._partial:
             # the whole object in one piece (the usual case): no reassembly copies
@@ -111,7 +121,16 @@ class PageAssembler:
             if crc32(piece.data) != piece.crc32:
                 return self._drop(key, "CRC-32 mismatch")
             return True, piece.data
-        buf, total, crc = self._partial.get(key) or (bytearray(), piece.total_size, piece.crc32)
+        started = self._partial.get(key)
+        buf, total, crc = started or (bytearray(), piece.total_size, piece.crc32)
+        if (
+            started is None
+            and self.max_partial_bytes is not None
+            and total <= self.max_page_bytes
+            and self._partial_bytes + total > self.max_partial_bytes
+        ):
+            self.over_limit += 1
+            return self._drop(key, f"unfinished objects would claim over {self.max_partial_bytes}")
         if (
             piece.offset != len(buf)
             or piece.total_size != total
@@ -122,16 +141,23 @@ class PageAssembler:
             return self._drop(key, f"bad piece at offset {piece.offset} of {total} bytes")
         buf += piece.data
         if len(buf) < total:
+            if started is None:
+                self._partial_bytes += total
             self._partial[key] = (buf, total, crc)
             return None
-        self._partial.pop(key, None)
+        self._forget(key)
         obj = bytes(buf)
         if crc32(obj) != crc:
             return self._drop(key, "CRC-32 mismatch")
         return True, obj
 
+    def _forget(self, key: Hashable) -> None:
+        started = self._partial.pop(key, None)
+        if started is not None:
+            self._partial_bytes -= started[1]
+
     def _drop(self, key: Hashable, why: str) -> tuple[bool, None]:
-        self._partial.pop(key, None)
+        self._forget(key)
         self.corrupt += 1
         logger.warning("page transfer: dropping object %r: %s", key, why)
         return False, None

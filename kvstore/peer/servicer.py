@@ -6,6 +6,10 @@ Source calls run in a thread pool (they may block: an engine source copies pages
 engine thread). Status codes: INVALID_ARGUMENT for a hash that is not a page hash,
 UNAVAILABLE while the server drains, FAILED_PRECONDITION for a Push without a source,
 INTERNAL when the source fails.
+
+Every method here is for cluster members only: the server that hosts this servicer
+(``worker.server.WorkerServer``) installs ``protos.security.AuthInterceptor``, which refuses
+calls without the cluster identity with UNAUTHENTICATED before they reach it.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 _FETCH_BATCH = 32  # pages asked of the PageSource at a time while streaming a Fetch
 _PUSH_FLUSH_BYTES = 8 << 20  # pushed bytes buffered before they are handed to accept()
+PUSH_MAX_PAGE_BYTES = 64 << 20  # a pushed object may claim at most this
+PUSH_MAX_PARTIAL_BYTES = 128 << 20  # unfinished pushed objects together, per Push
 
 
 class KVTransferServicer(kpb_grpc.KVTransferServicer):
@@ -116,7 +122,7 @@ class KVTransferServicer(kpb_grpc.KVTransferServicer):
                 grpc.StatusCode.FAILED_PRECONDITION, "this worker has no page store to push to"
             )
         self.life.enter()
-        asm = PageAssembler()
+        asm = PageAssembler(PUSH_MAX_PAGE_BYTES, PUSH_MAX_PARTIAL_BYTES)
         ready: list[tuple[bytes, bytes]] = []
         ready_bytes = accepted = rejected = 0
         try:

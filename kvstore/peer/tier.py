@@ -18,12 +18,19 @@ from kvmesh.kvstore.peer.framing import MAX_PAGE_BYTES, PageAssembler, page_chun
 from kvmesh.kvstore.tier import Tier
 from kvmesh.protos.kvmesh.v1 import kv_transfer_pb2 as pb
 from kvmesh.protos.kvmesh.v1 import kv_transfer_pb2_grpc as pb_grpc
+from kvmesh.protos.security import ClusterIdentity
+from kvmesh.protos.serving import channel_options
 
 logger = logging.getLogger(__name__)
 
 # how long a peer's "no data plane" (or a data plane that failed before any page) holds
 # before PeerTier asks its DataPlane RPC again
 DATA_PLANE_RECHECK_S = 10.0
+MAX_PEERS = 8  # addresses one PeerTier may hold (a request names at most MAX_PEER_HINTS)
+
+
+class PeerAuthError(ValueError):
+    """A peer answered without proving that it holds the cluster secret."""
 
 
 class PeerTier(Tier):
@@ -48,6 +55,12 @@ class PeerTier(Tier):
     ``DataPlaneClient``; an object longer than ``max_page_bytes`` is refused before memory
     is set aside for it), those from ``Fetch`` are ``bytes``.
 
+    Every call carries the cluster ``identity`` (peers refuse cluster RPCs without it),
+    and the peer must prove it too: ``Lookup``, ``Fetch`` and ``DataPlane`` answers count
+    only with the peer's proof in their initial metadata, data-plane pages only with their
+    MAC (``kvstore.dataplane.protocol``). A peer that cannot prove it is a fault like any
+    other (``PeerAuthError``): misses, one warning, a cooldown.
+
     ``put`` pushes to the first peer when ``push_on_put`` (off by default: a worker's spill
     belongs in its own tiers); ``evict`` is a no-op (another worker's cache is its own).
     Thread-safe.
@@ -59,6 +72,7 @@ class PeerTier(Tier):
         self,
         addresses: str | Sequence[str],
         *,
+        identity: ClusterIdentity,
         timeout: float = 5.0,
         cooldown_s: float = 1.0,
         push_on_put: bool = False,
@@ -71,6 +85,13 @@ class PeerTier(Tier):
         self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
         if not self.addresses:
             raise ValueError("PeerTier needs at least one peer address")
+        if len(self.addresses) > MAX_PEERS:
+            raise ValueError(f"at most {MAX_PEERS} peer addresses, got {len(self.addresses)}")
+        if not isinstance(identity, ClusterIdentity):
+            raise ValueError(
+                f"identity must be the cluster's ClusterIdentity, got {type(identity).__name__}"
+            )
+        self.identity = identity
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
         self.timeout = timeout
@@ -79,11 +100,7 @@ class PeerTier(Tier):
         self.data_plane = data_plane
         self.max_page_bytes = max_page_bytes
         self._clock = clock
-        limit = max_message_mb * 2**20
-        options = [
-            ("grpc.max_receive_message_length", limit),
-            ("grpc.max_send_message_length", limit),
-        ]
+        options = channel_options(max_message_mb)  # message limits, keepalive
         self._channels: list[grpc.Channel] = []
         self._stubs: list[pb_grpc.KVTransferStub] = []
         for addr in self.addresses:
@@ -122,12 +139,16 @@ class PeerTier(Tier):
             if not pending:
                 break
             try:
-                resp = stub.Lookup(
-                    pb.LookupRequest(hashes=[hashes[i] for i in pending]), timeout=self.timeout
+                md, nonce = self.identity.challenge()
+                resp, call = stub.Lookup.with_call(
+                    pb.LookupRequest(hashes=[hashes[i] for i in pending]),
+                    timeout=self.timeout,
+                    metadata=md,
                 )
+                self._check_proof(nonce, call)
                 if len(resp.tiers) != len(pending):
                     raise ValueError(f"{len(resp.tiers)} answers for {len(pending)} hashes")
-            except (grpc.RpcError, ValueError) as e:
+            except (grpc.RpcError, ValueError) as e:  # PeerAuthError is a ValueError
                 self._fault(addr, "Lookup", e)
                 continue
             self._ok(addr)
@@ -201,7 +222,7 @@ class PeerTier(Tier):
         addr, stub = self.addresses[peer], self._stubs[peer]
         chunks = page_chunks((i, h, obj) for i, (h, obj) in enumerate(items))
         try:
-            resp = stub.Push(chunks, timeout=self.timeout)
+            resp = stub.Push(chunks, timeout=self.timeout, metadata=self.identity.metadata())
         except grpc.RpcError as e:
             self._fault(addr, "Push", e)
             return 0
@@ -275,11 +296,17 @@ class PeerTier(Tier):
         left = deadline - time.monotonic()
         if left <= 0:
             return None, TimeoutError(f"no time left of {self.timeout}s for DataPlane")
+        md, nonce = self.identity.challenge()
         try:
-            info = stub.DataPlane(pb.DataPlaneRequest(version=DATA_PLANE_VERSION), timeout=left)
+            info, call = stub.DataPlane.with_call(
+                pb.DataPlaneRequest(version=DATA_PLANE_VERSION), timeout=left, metadata=md
+            )
+            self._check_proof(nonce, call)
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # a worker older than the data plane
                 return self._no_data_plane(addr), None
+            return None, e
+        except PeerAuthError as e:
             return None, e
         if not info.port or info.version != DATA_PLANE_VERSION or len(info.token) != TOKEN_BYTES:
             return self._no_data_plane(addr), None
@@ -287,6 +314,7 @@ class PeerTier(Tier):
             host,
             info.port,
             info.token,
+            key=self.identity.data_plane_key,
             max_pages=info.max_pages or 1,
             connect_timeout=min(self.timeout, 2.0),
             max_object_bytes=self.max_page_bytes,
@@ -321,8 +349,10 @@ class PeerTier(Tier):
         failed part-way (what arrived before it is kept: every object is CRC-checked)."""
         got: dict[int, bytes] = {}
         asm = PageAssembler(self.max_page_bytes)
-        call = stub.Fetch(pb.FetchRequest(hashes=hashes), timeout=timeout)
+        md, nonce = self.identity.challenge()
+        call = stub.Fetch(pb.FetchRequest(hashes=hashes), timeout=timeout, metadata=md)
         try:
+            self._check_proof(nonce, call)  # before a single piece is taken
             for chunk in call:
                 for piece in chunk.pieces:
                     if piece.index >= len(hashes) or piece.hash != hashes[piece.index]:
@@ -339,11 +369,22 @@ class PeerTier(Tier):
                     self.metrics["corrupt"] += asm.corrupt
         return got, None
 
+    def _check_proof(self, nonce: str, call) -> None:
+        """Raise PeerAuthError unless the call's initial metadata proves the peer a member
+        (the call's own error instead, when it failed before sending any)."""
+        if self.identity.verify_server(nonce, call.initial_metadata()):
+            return
+        if isinstance(call, grpc.Future) and call.done() and call.code() != grpc.StatusCode.OK:
+            raise call  # a failed streaming call is its own RpcError
+        raise PeerAuthError("the peer did not prove that it holds the cluster secret")
+
     def _fault(self, addr: str, what: str, err: Exception) -> None:
         if isinstance(err, grpc.RpcError):
             code, detail = err.code().name, err.details()
         elif isinstance(err, TimeoutError):  # the data plane's deadline, named as gRPC's
             code, detail = "DEADLINE_EXCEEDED", str(err) or f"no answer within {self.timeout}s"
+        elif isinstance(err, PeerAuthError):
+            code, detail = "UNAUTHENTICATED_PEER", str(err)
         elif isinstance(err, OSError):  # the data plane's connection: refused, reset, closed
             code, detail = "UNAVAILABLE", str(err)
         else:

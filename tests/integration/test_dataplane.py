@@ -18,10 +18,12 @@ import types
 
 import grpc
 import pytest
+from helpers import TEST_IDENTITY as ID
 
 from kvmesh.kvstore import dataplane as dp
 from kvmesh.kvstore.codec import PageSpec, decode, encode
 from kvmesh.kvstore.dataplane import memory, sockets
+from kvmesh.kvstore.dataplane.protocol import encode_request
 from kvmesh.kvstore.host import HostTier
 from kvmesh.kvstore.peer import MAX_CHUNK_BYTES, PeerTier, TierPageSource
 from kvmesh.kvstore.store import TieredStore
@@ -29,6 +31,8 @@ from kvmesh.protos.kvmesh.v1 import kv_transfer_pb2 as pb
 from kvmesh.protos.kvmesh.v1 import kv_transfer_pb2_grpc as pb_grpc
 from kvmesh.worker import server as worker_server
 from kvmesh.worker.server import WorkerServer
+
+KEY = ID.data_plane_key
 
 # pages bigger than a gRPC chunk, so Fetch has to cut and reassemble them
 SPEC = PageSpec(
@@ -59,7 +63,7 @@ def host() -> HostTier:
 
 @pytest.fixture(scope="module")
 def server(host):
-    srv = WorkerServer(page_source=TierPageSource(host, spec=SPEC), grace_s=1.0)
+    srv = WorkerServer(page_source=TierPageSource(host, spec=SPEC), grace_s=1.0, identity=ID)
     srv.start_in_thread()
     yield srv
     srv.stop_in_thread(grace=0)
@@ -72,7 +76,9 @@ def data_plane_info(address: str, credentials=None) -> pb.DataPlaneInfo:
         else grpc.insecure_channel(address)
     )
     with ch:
-        return pb_grpc.KVTransferStub(ch).DataPlane(pb.DataPlaneRequest(version=1), timeout=10)
+        return pb_grpc.KVTransferStub(ch).DataPlane(
+            pb.DataPlaneRequest(version=dp.VERSION), timeout=10, metadata=ID.metadata()
+        )
 
 
 def closed_by_server(sock: socket.socket, timeout: float = 10.0) -> bool:
@@ -93,8 +99,12 @@ def wait_for(condition, timeout: float = 10.0) -> bool:
     return True
 
 
-def request(token: bytes, hashes: list[bytes]) -> bytes:
-    return dp.REQUEST_HEAD.pack(dp.MAGIC, dp.VERSION, 0, token, len(hashes)) + b"".join(hashes)
+def request(token: bytes, hashes: list[bytes], key: bytes = KEY) -> bytes:
+    return encode_request(token, hashes, key, bytes(dp.NONCE_BYTES))
+
+
+def head(token: bytes, count: int, version: int = dp.VERSION) -> bytes:
+    return dp.REQUEST_HEAD.pack(dp.MAGIC, version, 0, token, count, bytes(dp.NONCE_BYTES))
 
 
 class ScriptedServer:
@@ -111,7 +121,8 @@ class ScriptedServer:
         conn, _ = self.listener.accept()
         with conn:
             head = conn.recv(dp.REQUEST_HEAD.size, socket.MSG_WAITALL)
-            conn.recv(16 * dp.REQUEST_HEAD.unpack(head)[4], socket.MSG_WAITALL)
+            count = dp.REQUEST_HEAD.unpack(head)[4]
+            conn.recv(16 * count + dp.MAC_BYTES, socket.MSG_WAITALL)
             conn.sendall(answer)
 
     def close(self) -> None:
@@ -128,8 +139,8 @@ def test_the_rpc_names_the_data_plane(server):
 
 def test_data_plane_pages_are_byte_identical_to_fetch_pages(server):
     asked = [h(3), h(99), h(0), h(39), h(98), h(7)]  # misses in between, out of order
-    fast = PeerTier(server.address)
-    slow = PeerTier(server.address, data_plane=False)
+    fast = PeerTier(server.address, identity=ID)
+    slow = PeerTier(server.address, data_plane=False, identity=ID)
     try:
         assert fast.transport() == "data_plane" and slow.transport() == "grpc"
         over_dp, over_grpc = fast.get(asked), slow.get(asked)
@@ -144,7 +155,7 @@ def test_data_plane_pages_are_byte_identical_to_fetch_pages(server):
     assert fast.metrics["hits"] == 4 and fast.metrics["misses"] == 2
     assert fast.metrics["errors"] == 0 and fast.metrics["data_plane_fallbacks"] == 0
     # what the data plane hands over decodes like any page: the store reads it as is
-    store = TieredStore(SPEC, [PeerTier(server.address)])
+    store = TieredStore(SPEC, [PeerTier(server.address, identity=ID)])
     try:
         (tier, payload), miss = store.get([h(5), h(97)])
     finally:
@@ -155,7 +166,7 @@ def test_data_plane_pages_are_byte_identical_to_fetch_pages(server):
 
 def test_one_connection_serves_many_calls(server):
     before = server.data_plane.connections
-    peer = PeerTier(server.address)
+    peer = PeerTier(server.address, identity=ID)
     try:
         for i in range(5):
             assert bytes(peer.get([h(i)])[0]) == page(i)
@@ -165,9 +176,9 @@ def test_one_connection_serves_many_calls(server):
 
 
 def test_a_client_splits_requests_at_the_servers_limit(host):
-    srv = dp.DataPlaneServer(TierPageSource(host), max_pages=3)
+    srv = dp.DataPlaneServer(TierPageSource(host), max_pages=3, key=KEY)
     srv.start()
-    client = dp.DataPlaneClient("127.0.0.1", srv.port, srv.token, max_pages=srv.max_pages)
+    client = dp.DataPlaneClient("127.0.0.1", srv.port, srv.token, max_pages=srv.max_pages, key=KEY)
     try:
         res = client.fetch([h(i) for i in range(10)], timeout=10)
     finally:
@@ -182,6 +193,7 @@ def test_a_client_splits_requests_at_the_servers_limit(host):
     [
         pytest.param(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + bytes(64), id="garbage"),
         pytest.param("wrong-token", id="wrong-token"),
+        pytest.param("wrong-key", id="wrong-mac"),
         pytest.param("wrong-version", id="wrong-version"),
         pytest.param("too-many-hashes", id="too-many-hashes"),
     ],
@@ -192,11 +204,13 @@ def test_a_bad_request_closes_its_connection_and_the_server_keeps_serving(
     token = server.data_plane.token
     if request_bytes == "wrong-token":
         bad = bytes(b ^ 0xFF for b in token)
-        request_bytes = dp.REQUEST_HEAD.pack(dp.MAGIC, dp.VERSION, 0, bad, 1) + h(1)
+        request_bytes = request(bad, [h(1)])
+    elif request_bytes == "wrong-key":  # the right token, but not the cluster's key
+        request_bytes = request(token, [h(1)], key=bytes(dp.KEY_BYTES))
     elif request_bytes == "wrong-version":
-        request_bytes = dp.REQUEST_HEAD.pack(dp.MAGIC, 99, 0, token, 1) + h(1)
+        request_bytes = head(token, 1, version=99) + h(1)
     elif request_bytes == "too-many-hashes":  # claims 4 GiB of hashes; none are read
-        request_bytes = dp.REQUEST_HEAD.pack(dp.MAGIC, dp.VERSION, 0, token, 2**32 - 1)
+        request_bytes = head(token, 2**32 - 1)
     rejected = server.data_plane.rejected
     with caplog.at_level(logging.WARNING, logger="kvmesh.kvstore.dataplane"):
         with socket.create_connection(("127.0.0.1", server.data_plane_port)) as sock:
@@ -204,7 +218,7 @@ def test_a_bad_request_closes_its_connection_and_the_server_keeps_serving(
             assert closed_by_server(sock)
     assert server.data_plane.rejected == rejected + 1
     assert any("closing the connection" in r.getMessage() for r in caplog.records)
-    peer = PeerTier(server.address)
+    peer = PeerTier(server.address, identity=ID)
     try:
         assert bytes(peer.get([h(2)])[0]) == page(2)
         assert peer.metrics["data_plane_pages"] == 1
@@ -216,9 +230,9 @@ def test_a_truncated_request_and_a_silent_client_do_not_block_others(server):
     token = server.data_plane.token
     idle = socket.create_connection(("127.0.0.1", server.data_plane_port))  # never sends
     half = socket.create_connection(("127.0.0.1", server.data_plane_port))
-    half.sendall(dp.REQUEST_HEAD.pack(dp.MAGIC, dp.VERSION, 0, token, 4) + h(1))  # 1 of 4
+    half.sendall(head(token, 4) + h(1))  # 1 of 4
     try:
-        peer = PeerTier(server.address)
+        peer = PeerTier(server.address, identity=ID)
         try:
             assert [bytes(o) for o in peer.get([h(8), h(9)])] == [page(8), page(9)]
         finally:
@@ -229,9 +243,9 @@ def test_a_truncated_request_and_a_silent_client_do_not_block_others(server):
 
 
 def test_a_worker_without_a_data_plane_serves_over_fetch(host):
-    srv = WorkerServer(page_source=TierPageSource(host), data_plane=False)
+    srv = WorkerServer(page_source=TierPageSource(host), data_plane=False, identity=ID)
     srv.start_in_thread()
-    peer = PeerTier(srv.address)
+    peer = PeerTier(srv.address, identity=ID)
     try:
         assert data_plane_info(srv.address).port == 0
         assert peer.transport() == "grpc"
@@ -251,10 +265,11 @@ def test_a_secure_grpc_port_runs_no_data_plane_unless_asked(host):
             page_source=TierPageSource(host),
             server_credentials=grpc.local_server_credentials(local),
             data_plane=asked,
+            identity=ID,
         )
         srv.start_in_thread()
         creds = grpc.local_channel_credentials(local)
-        peer = PeerTier(srv.address, credentials=creds)
+        peer = PeerTier(srv.address, credentials=creds, identity=ID)
         try:
             assert (data_plane_info(srv.address, creds).port != 0) is offered
             assert (srv.data_plane is not None) is offered
@@ -266,9 +281,9 @@ def test_a_secure_grpc_port_runs_no_data_plane_unless_asked(host):
 
 
 def test_a_stale_token_falls_back_to_fetch(host):
-    srv = WorkerServer(page_source=TierPageSource(host))
+    srv = WorkerServer(page_source=TierPageSource(host), identity=ID)
     srv.start_in_thread()
-    peer = PeerTier(srv.address)
+    peer = PeerTier(srv.address, identity=ID)
     try:
         assert bytes(peer.get([h(1)])[0]) == page(1)  # learns port and token
         srv.data_plane.token = bytes(dp.TOKEN_BYTES)  # as if the worker had restarted
@@ -281,9 +296,9 @@ def test_a_stale_token_falls_back_to_fetch(host):
 
 
 def test_a_closed_data_plane_port_falls_back_to_fetch(host):
-    srv = WorkerServer(page_source=TierPageSource(host))
+    srv = WorkerServer(page_source=TierPageSource(host), identity=ID)
     srv.start_in_thread()
-    peer = PeerTier(srv.address)
+    peer = PeerTier(srv.address, identity=ID)
     try:
         assert peer.transport() == "data_plane"
         srv.data_plane.stop()  # the port refuses connections; gRPC still answers
@@ -320,9 +335,9 @@ def test_a_server_killed_mid_transfer_gives_misses_for_the_rest(caplog):
     tier.put([(h(i), page(i)) for i in range(100)])
     assert tier.num_objects == 100
     source = GatedSource(tier)
-    srv = WorkerServer(page_source=source)
+    srv = WorkerServer(page_source=source, identity=ID)
     srv.start_in_thread()
-    peer = PeerTier(srv.address, timeout=30.0)
+    peer = PeerTier(srv.address, timeout=30.0, identity=ID)
     asked = [h(i) for i in range(100)]  # four batches of the server's 32
     result = {}
     t = threading.Thread(target=lambda: result.setdefault("got", peer.get(asked)))
@@ -371,7 +386,9 @@ def test_receive_memory_is_reused_only_after_every_page_of_it_is_gone():
 
 def test_a_request_trickling_in_is_cut_at_the_request_deadline(host):
     """Per-syscall timeouts would let a byte every few seconds hold the thread forever."""
-    srv = dp.DataPlaneServer(TierPageSource(host), request_timeout_s=0.5, io_timeout_s=30.0)
+    srv = dp.DataPlaneServer(
+        TierPageSource(host), request_timeout_s=0.5, io_timeout_s=30.0, key=KEY
+    )
     srv.start()
     req = request(srv.token, [h(1)])
     try:
@@ -395,7 +412,7 @@ def test_a_request_trickling_in_is_cut_at_the_request_deadline(host):
 def test_a_client_that_reads_too_slowly_is_cut_off(host):
     """Each page must be taken within io_timeout_s as a whole: reading a little now and
     then (here about a page per second for a 0.5 s limit) does not keep the thread."""
-    srv = dp.DataPlaneServer(TierPageSource(host), io_timeout_s=0.5)
+    srv = dp.DataPlaneServer(TierPageSource(host), io_timeout_s=0.5, key=KEY)
     srv.start()
     asked = [h(i) for i in range(40)]  # 26 MB: more than the socket buffers hold
     try:
@@ -416,9 +433,9 @@ def test_a_client_that_reads_too_slowly_is_cut_off(host):
 
 
 def test_at_the_connection_limit_a_newcomer_closes_the_longest_idle_connection(host):
-    srv = dp.DataPlaneServer(TierPageSource(host), max_connections=2)
+    srv = dp.DataPlaneServer(TierPageSource(host), max_connections=2, key=KEY)
     srv.start()
-    client = dp.DataPlaneClient("127.0.0.1", srv.port, srv.token)
+    client = dp.DataPlaneClient("127.0.0.1", srv.port, srv.token, key=KEY)
     socks: list[socket.socket] = []
 
     def connect() -> socket.socket:
@@ -452,7 +469,7 @@ def test_at_the_connection_limit_a_newcomer_closes_the_longest_idle_connection(h
 
 
 def test_at_the_connection_limit_with_every_connection_busy_a_newcomer_is_closed(host):
-    srv = dp.DataPlaneServer(TierPageSource(host), max_connections=1)
+    srv = dp.DataPlaneServer(TierPageSource(host), max_connections=1, key=KEY)
     srv.start()
     try:
         with socket.create_connection(("127.0.0.1", srv.port)) as busy:
@@ -471,7 +488,7 @@ def test_at_the_connection_limit_with_every_connection_busy_a_newcomer_is_closed
 def test_a_connection_thread_that_cannot_start_is_closed_and_accepting_goes_on(
     host, monkeypatch, caplog
 ):
-    srv = dp.DataPlaneServer(TierPageSource(host))
+    srv = dp.DataPlaneServer(TierPageSource(host), key=KEY)
     srv.start()
     real_start = threading.Thread.start
     failures = [2]
@@ -483,7 +500,7 @@ def test_a_connection_thread_that_cannot_start_is_closed_and_accepting_goes_on(
         return real_start(thread)
 
     monkeypatch.setattr(threading.Thread, "start", start)
-    client = dp.DataPlaneClient("127.0.0.1", srv.port, srv.token)
+    client = dp.DataPlaneClient("127.0.0.1", srv.port, srv.token, key=KEY)
     try:
         with caplog.at_level(logging.WARNING, logger="kvmesh.kvstore.dataplane"):
             for _ in range(2):
@@ -506,9 +523,9 @@ def test_objects_are_framed_by_their_length_in_bytes():
         def fetch(self, hashes):
             return [memoryview(obj).cast("I") for _ in hashes]
 
-    srv = dp.DataPlaneServer(ItemSource())
+    srv = dp.DataPlaneServer(ItemSource(), key=KEY)
     srv.start()
-    client = dp.DataPlaneClient("127.0.0.1", srv.port, srv.token)
+    client = dp.DataPlaneClient("127.0.0.1", srv.port, srv.token, key=KEY)
     try:
         res = client.fetch([h(1), h(2)], timeout=10)
     finally:
@@ -531,7 +548,7 @@ def test_a_server_that_fails_after_its_data_plane_started_stops_it(host, monkeyp
 
     monkeypatch.setattr(dp.DataPlaneServer, "start", start)
     monkeypatch.setattr(worker_server.reflection, "enable_server_reflection", broken)
-    srv = WorkerServer(page_source=TierPageSource(host))
+    srv = WorkerServer(page_source=TierPageSource(host), identity=ID)
     with pytest.raises(RuntimeError, match="reflection broke"):
         srv.start_in_thread()
     (plane,) = started
@@ -550,7 +567,7 @@ def test_a_failed_fetch_gives_its_receive_memory_back_at_once(monkeypatch):
     pool = memory.MappingPool(keep_bytes=64 << 20)
     monkeypatch.setattr(memory, "RECEIVE_POOL", pool)
     fake = ScriptedServer(dp.PAGE_HEAD.pack(0, dp.FOUND, 4096) + bytes(1000))
-    client = dp.DataPlaneClient("127.0.0.1", fake.port, bytes(dp.TOKEN_BYTES))
+    client = dp.DataPlaneClient("127.0.0.1", fake.port, bytes(dp.TOKEN_BYTES), key=KEY)
     gc.disable()
     try:
         res = client.fetch([h(1), h(2)], timeout=10)
@@ -568,7 +585,7 @@ def test_an_object_longer_than_a_page_is_refused_before_memory_is_set_aside(serv
     pool = memory.MappingPool()
     monkeypatch.setattr(memory, "RECEIVE_POOL", pool)
     fake = ScriptedServer(dp.PAGE_HEAD.pack(0, dp.FOUND, 1 << 40))  # claims 1 TiB
-    client = dp.DataPlaneClient("127.0.0.1", fake.port, bytes(dp.TOKEN_BYTES))
+    client = dp.DataPlaneClient("127.0.0.1", fake.port, bytes(dp.TOKEN_BYTES), key=KEY)
     try:
         res = client.fetch([h(1)], timeout=10)
     finally:
@@ -576,7 +593,7 @@ def test_an_object_longer_than_a_page_is_refused_before_memory_is_set_aside(serv
         fake.close()
     assert isinstance(res.error, dp.DataPlaneError) and "at most" in str(res.error)
     # PeerTier hands its max_page_bytes down: a page longer than that is refused too
-    peer = PeerTier(server.address, max_page_bytes=len(page(1)) - 1)
+    peer = PeerTier(server.address, max_page_bytes=len(page(1)) - 1, identity=ID)
     try:
         assert peer.get([h(1)]) == [None]
         assert peer.metrics["errors"] == 1 and peer.metrics["data_plane_fallbacks"] == 0
@@ -599,7 +616,7 @@ def test_a_connect_timeout_is_a_deadline_not_a_reason_to_fall_back():
                     break
             else:
                 pytest.skip("this kernel answers every SYN")
-            client = dp.DataPlaneClient("127.0.0.1", port, bytes(16), connect_timeout=0.2)
+            client = dp.DataPlaneClient("127.0.0.1", port, bytes(16), connect_timeout=0.2, key=KEY)
             res = client.fetch([h(1)], timeout=10)
             client.close()
         finally:
@@ -632,9 +649,9 @@ def test_where_mappings_cannot_be_reused_receive_memory_is_plain_and_not_held(ho
     assert not memory.probe_reuse(types.SimpleNamespace(mmap=mmap.mmap))  # Windows: no flags
     pool = memory.MappingPool(reuse=False)
     monkeypatch.setattr(memory, "RECEIVE_POOL", pool)
-    srv = dp.DataPlaneServer(TierPageSource(host))
+    srv = dp.DataPlaneServer(TierPageSource(host), key=KEY)
     srv.start()
-    client = dp.DataPlaneClient("127.0.0.1", srv.port, srv.token)
+    client = dp.DataPlaneClient("127.0.0.1", srv.port, srv.token, key=KEY)
     try:
         res = client.fetch([h(1), h(99), h(2)], timeout=10)
     finally:
@@ -651,7 +668,7 @@ def test_a_local_failure_in_the_data_plane_client_is_a_miss_not_an_exception(ser
         raise AttributeError("module 'mmap' has no attribute 'MAP_PRIVATE'")
 
     monkeypatch.setattr(memory.MappingPool, "take", no_flags)
-    peer = PeerTier(server.address)
+    peer = PeerTier(server.address, identity=ID)
     try:
         assert peer.get([h(1), h(99)]) == [None, None]
         assert peer.metrics["errors"] == 1 and peer.metrics["misses"] == 2

@@ -15,6 +15,7 @@ from concurrent import futures
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers import TEST_IDENTITY as ID
 from helpers import free_port, wait_until
 
 from kvmesh.cluster import (
@@ -42,7 +43,7 @@ LONG = dict(temperature=0, max_tokens=500, ignore_eos=True)  # outlives any test
 
 @pytest.fixture(scope="module")
 def server(smol_src):
-    srv = WorkerServer(LLMEngine(MODEL, **ENGINE_ARGS), grace_s=5.0)
+    srv = WorkerServer(LLMEngine(MODEL, **ENGINE_ARGS), grace_s=5.0, identity=ID)
     srv.start_in_thread()
     yield srv
     srv.stop_in_thread(grace=0)
@@ -50,7 +51,7 @@ def server(smol_src):
 
 @pytest.fixture(scope="module")
 def client(server):
-    with Client(server.address, timeout=120) as c:
+    with Client(server.address, timeout=120, identity=ID) as c:  # a member: GetLoad too
         yield c
 
 
@@ -176,7 +177,7 @@ def test_async_client(server, client):
     want = client.generate_text("Once upon a time", **GREEDY)
 
     async def main():
-        async with AsyncClient(server.address, timeout=120) as ac:
+        async with AsyncClient(server.address, timeout=120, identity=ID) as ac:
             assert await ac.health() == "SERVING"
             a, b = await asyncio.gather(
                 ac.generate_text("Once upon a time", **GREEDY),
@@ -201,7 +202,7 @@ def test_full_queue_is_resource_exhausted(server, client):
     free = client.get_load().num_free_pages
 
     async def main():
-        async with AsyncClient(server.address, timeout=120) as ac:
+        async with AsyncClient(server.address, timeout=120, identity=ID) as ac:
             tasks: list[asyncio.Task] = []
 
             async def run(started: asyncio.Event) -> None:

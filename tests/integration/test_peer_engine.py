@@ -8,7 +8,8 @@ import threading
 import time
 
 import pytest
-from helpers import text_prompts
+from helpers import TEST_IDENTITY as ID
+from helpers import member_channel, text_prompts
 
 from kvmesh.cluster import Client
 from kvmesh.kvstore.peer import PeerTier
@@ -44,11 +45,11 @@ class SlowSource:
 def cluster():
     a_engine = AsyncEngine(LLMEngine("smollm2-135m-instruct", kv_cache_memory="128MiB"))
     source = SlowSource(EnginePageSource(a_engine))
-    a = WorkerServer(a_engine, page_source=source, own_engine=True, grace_s=0)
+    a = WorkerServer(a_engine, page_source=source, own_engine=True, grace_s=0, identity=ID)
     a.start_in_thread()
-    peer = PeerTier([a.address], timeout=30.0)
+    peer = PeerTier([a.address], timeout=30.0, identity=ID)
     b_engine = LLMEngine("smollm2-135m-instruct", kv_cache_memory="128MiB", extra_tiers=[peer])
-    b = WorkerServer(b_engine)
+    b = WorkerServer(b_engine, identity=ID)
     b.start_in_thread()
     yield a, b, source, peer
     b.stop_in_thread(grace=0)
@@ -89,15 +90,15 @@ def test_b_pulls_a_prefix_from_a(cluster, prompts, reference):
 
 
 def test_a_request_naming_a_peer_pulls_its_pages(cluster, prompts, reference, shakespeare):
-    """No static peer: the request itself names A (the router's hint)."""
-    import grpc
-
+    """No static peer: the request itself names A (the router's hint), sent as the router
+    sends it: as a cluster member."""
     from kvmesh.protos.kvmesh.v1 import inference_pb2 as ipb
     from kvmesh.protos.kvmesh.v1 import inference_pb2_grpc as ipb_grpc
 
     a, _, _, _ = cluster
-    c = LLMEngine("smollm2-135m-instruct", kv_cache_memory="128MiB")  # no tiers at all
-    server = WorkerServer(c)
+    # no tiers at all; the cluster identity to fetch from the peers a request names
+    c = LLMEngine("smollm2-135m-instruct", kv_cache_memory="128MiB", peer_identity=ID)
+    server = WorkerServer(c, identity=ID)
     server.start_in_thread()
     try:
         prompt = prompts[0]  # A computed it in the first test
@@ -107,7 +108,7 @@ def test_a_request_naming_a_peer_pulls_its_pages(cluster, prompts, reference, sh
             sampling=ipb.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
             peer_addresses=[a.address],
         )
-        with grpc.insecure_channel(server.address) as ch:
+        with member_channel(server.address) as ch:
             msgs = list(ipb_grpc.InferenceStub(ch).Generate(req, timeout=300))
     finally:
         server.stop_in_thread(grace=0)
@@ -119,7 +120,7 @@ def test_a_request_naming_a_peer_pulls_its_pages(cluster, prompts, reference, sh
 def test_a_static_peer_without_the_data_plane_serves_over_fetch(cluster, prompts, reference):
     """B2 reads A through gRPC Fetch only: the same prefix, the same tokens."""
     a, _, _, _ = cluster
-    grpc_only = PeerTier([a.address], timeout=30.0, data_plane=False)
+    grpc_only = PeerTier([a.address], timeout=30.0, data_plane=False, identity=ID)
     b2 = LLMEngine("smollm2-135m-instruct", kv_cache_memory="128MiB", extra_tiers=[grpc_only])
     server = WorkerServer(b2)
     server.start_in_thread()

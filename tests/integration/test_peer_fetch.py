@@ -11,7 +11,8 @@ import zlib
 
 import grpc
 import pytest
-from helpers import free_port
+from helpers import TEST_IDENTITY as ID
+from helpers import free_port, member_channel
 
 from kvmesh.kvstore.codec import PageSpec, encode
 from kvmesh.kvstore.host import HostTier
@@ -71,7 +72,7 @@ def host() -> HostTier:
 
 @pytest.fixture(scope="module")
 def server(host):
-    srv = WorkerServer(page_source=TierPageSource(host, spec=SPEC), grace_s=1.0)
+    srv = WorkerServer(page_source=TierPageSource(host, spec=SPEC), grace_s=1.0, identity=ID)
     srv.start_in_thread()
     yield srv
     srv.stop_in_thread(grace=0)
@@ -79,7 +80,7 @@ def server(host):
 
 @pytest.fixture(scope="module")
 def stub(server):
-    with grpc.insecure_channel(server.address) as ch:
+    with member_channel(server.address) as ch:  # as a cluster member
         yield pb_grpc.KVTransferStub(ch)
 
 
@@ -143,7 +144,7 @@ def test_malformed_hash_is_invalid_argument(stub):
 def test_push_stores_valid_pages_and_rejects_the_rest(host, server):
     good = {i: page(i) for i in (10, 11)}
     foreign = page(12, OTHER_MODEL)  # a valid object of another model
-    peer = PeerTier(server.address)
+    peer = PeerTier(server.address, identity=ID)
     try:
         accepted = peer.push([(h(10), good[10]), (h(12), foreign), (h(11), good[11])])
     finally:
@@ -181,7 +182,7 @@ def test_only_page_objects_of_the_spec_under_page_hashes_are_valid_pushes():
 def test_peer_tier_contains_and_get_against_a_live_peer(host, server, data_plane):
     objs = {i: page(i) for i in (20, 21)}
     host.put([(h(i), o) for i, o in objs.items()])
-    peer = PeerTier(server.address, data_plane=data_plane)
+    peer = PeerTier(server.address, data_plane=data_plane, identity=ID)
     try:
         assert peer.contains([h(20), h(97), h(21)]) == [True, False, True]
         assert peer.get([h(21), h(97), h(20)]) == [objs[21], None, objs[20]]
@@ -197,7 +198,9 @@ def test_peer_tier_contains_and_get_against_a_live_peer(host, server, data_plane
 def test_dead_peer_is_misses_with_one_warning(caplog, host, server, data_plane):
     host.put([(h(30), page(30))])
     dead = f"127.0.0.1:{free_port()}"
-    peer = PeerTier([dead, server.address], timeout=2.0, cooldown_s=0.0, data_plane=data_plane)
+    peer = PeerTier(
+        [dead, server.address], timeout=2.0, cooldown_s=0.0, data_plane=data_plane, identity=ID
+    )
     try:
         with caplog.at_level(logging.WARNING, logger="kvmesh.kvstore.peer"):
             for _ in range(3):
@@ -208,7 +211,7 @@ def test_dead_peer_is_misses_with_one_warning(caplog, host, server, data_plane):
         assert peer.metrics["errors"] == 6 and transport_pages(peer) == 3
     finally:
         peer.close()
-    lone = PeerTier(dead, timeout=1.0, data_plane=data_plane)
+    lone = PeerTier(dead, timeout=1.0, data_plane=data_plane, identity=ID)
     try:
         assert lone.contains([h(30)]) == [False]
         assert lone.get([h(30), h(31)]) == [None, None]  # in cooldown: not even asked
@@ -246,7 +249,7 @@ class FaultySource(TierPageSource):
 def faulty():
     tier = HostTier(256 << 20)
     source = FaultySource(tier)
-    srv = WorkerServer(page_source=source)
+    srv = WorkerServer(page_source=source, identity=ID)
     srv.start_in_thread()
     yield tier, source, srv.address
     srv.stop_in_thread(grace=0)
@@ -256,7 +259,7 @@ def test_a_peer_past_its_deadline_is_a_miss(faulty, caplog, data_plane):
     tier, source, address = faulty
     tier.put([(h(50), page(50))])
     source.delay = 1.5
-    peer = PeerTier(address, timeout=0.3, data_plane=data_plane)
+    peer = PeerTier(address, timeout=0.3, data_plane=data_plane, identity=ID)
     try:
         with caplog.at_level(logging.WARNING, logger="kvmesh.kvstore.peer"):
             assert peer.get([h(50)]) == [None]  # the 0.3 s deadline, not the 1.5 s reply
@@ -289,9 +292,9 @@ def test_a_fetch_fallback_gets_only_what_is_left_of_the_deadline(caplog):
     tier = HostTier(64 << 20)
     tier.put([(h(1), page(1))])
     source = SlowThenFailingSource(tier, delay=0.7)
-    srv = WorkerServer(page_source=source)
+    srv = WorkerServer(page_source=source, identity=ID)
     srv.start_in_thread()
-    peer = PeerTier(srv.address, timeout=1.0)
+    peer = PeerTier(srv.address, timeout=1.0, identity=ID)
     try:
         with caplog.at_level(logging.WARNING, logger="kvmesh.kvstore.peer"):
             assert peer.get([h(1)]) == [None]
@@ -308,7 +311,7 @@ def test_pages_that_arrived_before_a_fault_are_kept(faulty, data_plane):
     small = {i: bytes([i]) * 2000 for i in range(60, 100)}  # 40 pages: two source batches
     tier.put([(h(i), o) for i, o in small.items()])
     source.ok_calls = 1  # the second batch fails on the server: INTERNAL mid-stream
-    peer = PeerTier(address, data_plane=data_plane)
+    peer = PeerTier(address, data_plane=data_plane, identity=ID)
     try:
         got = peer.get([h(i) for i in small])
     finally:
@@ -321,9 +324,9 @@ def test_pages_that_arrived_before_a_fault_are_kept(faulty, data_plane):
 
 
 def test_a_worker_without_a_page_store(data_plane):
-    srv = WorkerServer()  # neither engine nor page source: every page is a miss
+    srv = WorkerServer(identity=ID)  # neither engine nor page source: every page is a miss
     srv.start_in_thread()
-    peer = PeerTier(srv.address, data_plane=data_plane)
+    peer = PeerTier(srv.address, data_plane=data_plane, identity=ID)
     try:
         assert peer.contains([h(1), h(2)]) == [False, False]
         assert peer.get([h(1)]) == [None] and peer.metrics["errors"] == 0
@@ -341,7 +344,7 @@ def test_a_store_bounds_its_peer_tiers_objects_to_its_page_size():
     from kvmesh.kvstore.codec import max_object_bytes
     from kvmesh.kvstore.store import TieredStore
 
-    tier = PeerTier(["127.0.0.1:1"])
+    tier = PeerTier(["127.0.0.1:1"], identity=ID)
     try:
         assert tier.max_page_bytes > max_object_bytes(SPEC)
         TieredStore(SPEC, [tier])
