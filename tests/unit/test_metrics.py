@@ -1,0 +1,185 @@
+"""Metrics without a model or a cluster: the router's metrics over a pure RouterCore, the
+/metrics server's format, ``kvmesh top``'s arithmetic, and the deploy/ files against the
+metric list in docs/metrics.md (the real-Prometheus checks are in
+tests/integration/test_metrics.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+from kvmesh.cluster.top import WorkerRow, histogram_quantile, render
+from kvmesh.kvstore.hashing import hash_pages
+from kvmesh.protos.metrics import serve_metrics
+from kvmesh.router.core import RouterCore
+from kvmesh.router.metrics import RouterMetrics, removal_cause
+from kvmesh.worker.metrics import ITL_BUCKETS, TTFT_BUCKETS, buckets_1_2_5
+
+ROOT = Path(__file__).resolve().parents[2]
+FP, BS = "unit-model", 16
+
+
+def samples(registry) -> dict[tuple, float]:
+    """(sample name, sorted label items) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for fam in text_string_to_metric_families(generate_latest(registry).decode()):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(registry, name: str, **labels) -> float:
+    return sum(
+        v for (n, ls), v in samples(registry).items()
+        if n == name and all((k, w) in ls for k, w in labels.items())
+    )  # fmt: skip
+
+
+def test_token_buckets_are_vllms_1_2_5_series():
+    assert buckets_1_2_5(100) == [1, 2, 5, 10, 20, 50, 100]
+    assert buckets_1_2_5(2047)[-3:] == [500, 1000, 2000]
+    assert TTFT_BUCKETS[0] == 0.001 and TTFT_BUCKETS[-1] == 2560.0 and len(TTFT_BUCKETS) == 22
+    assert ITL_BUCKETS[0] == 0.01 and ITL_BUCKETS[-1] == 80.0
+
+
+def _info(wid: str, cached: list[bytes], **kw) -> dict:
+    return {
+        "worker_id": wid, "name": wid, "address": f"{wid}:1", "model_fp": FP,
+        "block_size": BS, "next_seq": len(cached), "pages": cached, "load": {}, **kw,
+    }  # fmt: skip
+
+
+def test_router_metrics_count_decisions_matches_and_removals():
+    core = RouterCore(model_fp=FP, seed=0)
+    m = RouterMetrics(core, model_name="m")
+    core.metrics = m
+    prompt = list(range(4 * BS + 3))
+    hs = hash_pages(prompt, BS, FP)
+    core.register(_info("a", hs[:3], metrics_address="10.0.0.1:9000"))
+    core.register(_info("b", []))
+    d = core.assign("r1", prompt, hs)
+    assert d.worker_id == "a"  # it holds 3 of the prompt's 4 pages
+    reg = m.registry
+    assert value(reg, "kvmesh:router_decisions_total", reason=d.reason) == 1
+    assert value(reg, "kvmesh:router_requests_total", worker="a") == 1
+    assert value(reg, "kvmesh:router_prompt_tokens_total") == len(prompt)
+    assert value(reg, "kvmesh:router_matched_tokens_total", tier="device") == 3 * BS
+    assert value(reg, "kvmesh:router_decision_seconds_count") == 1
+    assert value(reg, "kvmesh:router_workers") == 2
+    assert value(reg, "kvmesh:router_index_pages", worker="a", tier="device") >= 3
+    assert value(reg, "kvmesh:router_requests_in_flight", worker="a") == 1
+    info = [ls for (n, ls), _ in samples(reg).items() if n == "kvmesh:router_worker_info"]
+    assert ("metrics_address", "10.0.0.1:9000") in info[0] or (
+        "metrics_address",
+        "10.0.0.1:9000",
+    ) in info[1]
+    # every removal cause is exported from the start, then counted
+    assert value(reg, "kvmesh:router_workers_removed_total", cause="report_timeout") == 0
+    core.remove_worker("b", "no report for more than 4.0s")
+    assert value(reg, "kvmesh:router_workers_removed_total", cause="report_timeout") == 1
+    assert value(reg, "kvmesh:router_workers") == 1
+    assert core.publish("b", [], None)["status"] == "unknown"
+    assert value(reg, "kvmesh:router_resyncs_total", status="unknown") == 1
+
+
+def test_removal_causes():
+    assert removal_cause("replaced by w-2 (the worker restarted)") == "restarted"
+    assert removal_cause("Generate failed: UNAVAILABLE x") == "unavailable"
+    assert removal_cause("no answer to a health ping within 2.0s") == "health_check"
+    assert removal_cause("something new") == "other"
+
+
+def test_metrics_page_keeps_the_colon_whatever_the_scraper_accepts():
+    reg = CollectorRegistry()
+    Counter("kvmesh:prompt_tokens", "x", ["model_name"], registry=reg).labels("m").inc(3)
+    srv = serve_metrics(reg, "127.0.0.1", 0)
+    try:
+        for accept in ("application/openmetrics-text; version=1.0.0", "text/plain", None):
+            req = urllib.request.Request(f"http://{srv.address}/metrics")
+            if accept:
+                req.add_header("Accept", accept)
+            with urllib.request.urlopen(req, timeout=5) as r:
+                text = r.read().decode()
+                assert r.headers["Content-Type"].startswith("text/plain")
+            assert 'kvmesh:prompt_tokens_total{model_name="m"} 3.0' in text, (accept, text)
+    finally:
+        srv.stop()
+    with pytest.raises(ValueError, match="metrics port"):
+        serve_metrics(reg, "127.0.0.1", 70000)
+
+
+def test_histogram_quantile_interpolates_like_prometheus():
+    # 10 observations: 4 <= 0.1, 8 <= 0.2, 10 <= 0.4
+    b = {0.1: 4, 0.2: 8, 0.4: 10, float("inf"): 10}
+    assert histogram_quantile(0.5, b) == pytest.approx(0.125)
+    assert histogram_quantile(0.9, b) == pytest.approx(0.3)
+    assert histogram_quantile(0.5, {0.1: 0, float("inf"): 0}) is None
+    assert histogram_quantile(0.99, {0.1: 0, float("inf"): 5}) == 0.1  # past the last bound
+
+
+def test_top_renders_a_row_per_worker():
+    from rich.console import Console
+
+    rows = [
+        WorkerRow("w-1", "kvmesh-worker-0", 2, 1, 0.5, {"device": 0.25, "host": 0.5}, 10.0, 0.02),
+        WorkerRow("w-2", "kvmesh-worker-1", error="scrape failed: refused"),
+    ]
+    router = {"kvmesh:router_decisions_total": [({"policy": "p", "reason": "affinity"}, 3.0)]}
+    con = Console(width=200, record=True)
+    con.print(render("r:1", router, rows))
+    text = con.export_text()
+    assert "w-1" in text and "w-2" in text and "scrape failed" in text
+    assert "50%" in text and "20 ms" in text and "affinity" in text
+
+
+# ---------------------------------------------------------------- deploy/ against the docs
+
+
+def _documented() -> set[str]:
+    text = (ROOT / "docs" / "metrics.md").read_text()
+    return set(re.findall(r"`(kvmesh:[a-z_]+)", text))
+
+
+def _used(expr: str) -> set[str]:
+    names = set(re.findall(r"kvmesh:[a-z_]+", expr))
+    # a histogram's series are its name plus _bucket / _count / _sum
+    return {re.sub(r"_(bucket|count|sum)$", "", n) for n in names}
+
+
+def test_dashboards_filter_by_model_and_use_only_documented_metrics():
+    documented = _documented()
+    dashboards = sorted((ROOT / "deploy" / "grafana" / "dashboards").glob("*.json"))
+    assert len(dashboards) == 3
+    uids = set()
+    for path in dashboards:
+        d = json.loads(path.read_text())
+        uids.add(d["uid"])
+        assert "model_name" in [v["name"] for v in d["templating"]["list"]], path.name
+        for panel in d["panels"]:
+            assert panel["targets"], f"{path.name}: {panel['title']} has no query"
+            for t in panel["targets"]:
+                expr = t["expr"]
+                if "kvmesh:" in expr:
+                    assert 'model_name=~"$model_name"' in expr, (path.name, panel["title"])
+                assert _used(expr) <= documented, (path.name, _used(expr) - documented)
+    assert len(uids) == 3
+
+
+def test_alert_rules_use_only_documented_metrics():
+    documented = _documented()
+    rules = yaml.safe_load((ROOT / "deploy" / "prometheus" / "kvmesh-alerts.yml").read_text())
+    names = [r["alert"] for g in rules["groups"] for r in g["rules"]]
+    assert {"KvmeshTargetDown", "KvmeshTTFTAboveSLO", "KvmeshKVCacheSaturated",
+            "KvmeshTierDown"} <= set(names)  # fmt: skip
+    for g in rules["groups"]:
+        for r in g["rules"]:
+            assert _used(r["expr"]) <= documented, (r["alert"], _used(r["expr"]) - documented)
+            assert r["alert"] in (ROOT / "docs" / "metrics.md").read_text()
