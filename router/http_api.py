@@ -51,7 +51,9 @@ class RouterBackend:
             for wid in list(self.srv.core.workers):
                 try:
                     info = await self.srv.stub(wid).GetModelInfo(
-                        ipb.GetModelInfoRequest(), timeout=10
+                        ipb.GetModelInfoRequest(),
+                        timeout=10,
+                        metadata=getattr(self.srv, "member_md", None),  # the cluster identity
                     )
                 except (grpc.aio.AioRpcError, KeyError) as e:
                     logger.warning("GetModelInfo from %s failed: %r", wid, e)
