@@ -11,7 +11,9 @@ from kvmesh.cluster.client import (
     KvmeshError,
     Load,
     ModelInfo,
+    PermissionDenied,
     ResourceExhausted,
+    Unauthenticated,
     Unavailable,
     Usage,
 )
@@ -27,7 +29,9 @@ __all__ = [
     "KvmeshError",
     "Load",
     "ModelInfo",
+    "PermissionDenied",
     "ResourceExhausted",
+    "Unauthenticated",
     "Unavailable",
     "Usage",
 ]
