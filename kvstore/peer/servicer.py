@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 
 _FETCH_BATCH = 32  # pages asked of the PageSource at a time while streaming a Fetch
 _PUSH_FLUSH_BYTES = 8 << 20  # pushed bytes buffered before they are handed to accept()
+# hashes one Lookup or Fetch may name: a Lookup is answered on the engine thread between
+# steps, so its size is bounded (a 128K-token prompt of 16-token pages has 8,192)
+MAX_LOOKUP_PAGES = 16384
 PUSH_MAX_PAGE_BYTES = 64 << 20  # a pushed object may claim at most this
 PUSH_MAX_PARTIAL_BYTES = 128 << 20  # unfinished pushed objects together, per Push
 
@@ -49,6 +52,11 @@ class KVTransferServicer(kpb_grpc.KVTransferServicer):
         self.data_plane = data_plane
 
     async def _hashes(self, hashes: Sequence[bytes], context) -> list[bytes]:
+        if len(hashes) > MAX_LOOKUP_PAGES:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"hashes names {len(hashes)} pages; at most {MAX_LOOKUP_PAGES} per call",
+            )
         hashes = list(hashes)
         try:
             check_hashes(hashes)

@@ -141,6 +141,22 @@ def test_malformed_hash_is_invalid_argument(stub):
     assert "16 bytes" in e.value.details()
 
 
+def test_a_lookup_or_fetch_of_too_many_pages_is_invalid_argument(stub):
+    from kvmesh.kvstore.peer.servicer import MAX_LOOKUP_PAGES
+
+    at_limit = [h(i) for i in range(MAX_LOOKUP_PAGES)]
+    assert len(stub.Lookup(pb.LookupRequest(hashes=at_limit)).tiers) == MAX_LOOKUP_PAGES
+    too_many = at_limit + [h(MAX_LOOKUP_PAGES)]
+    for call in (
+        lambda: stub.Lookup(pb.LookupRequest(hashes=too_many)),
+        lambda: list(stub.Fetch(pb.FetchRequest(hashes=too_many))),
+    ):
+        with pytest.raises(grpc.RpcError) as e:
+            call()
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"at most {MAX_LOOKUP_PAGES}" in e.value.details()
+
+
 def test_push_stores_valid_pages_and_rejects_the_rest(host, server):
     good = {i: page(i) for i in (10, 11)}
     foreign = page(12, OTHER_MODEL)  # a valid object of another model
