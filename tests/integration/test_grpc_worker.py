@@ -118,13 +118,45 @@ def test_stop_string_reaches_the_client(client):
     assert full.text.startswith(res.text) and word not in res.text
 
 
-def test_cancel_mid_stream_frees_the_pages(client):
+class _Aborts:
+    """Records, on the engine thread, the final output of every request the engine aborts:
+    what a client that left can no longer see."""
+
+    def __init__(self, server) -> None:
+        self.aeng = server.engine
+        self.outputs: dict = {}
+
+    def __enter__(self) -> _Aborts:
+        def install(engine):
+            orig = engine.abort_request
+
+            def abort_request(request_id):
+                out = orig(request_id)
+                if out is not None:
+                    self.outputs[request_id] = out
+                return out
+
+            engine.abort_request = abort_request
+
+        self.aeng.call(install)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.aeng.call(lambda e: delattr(e, "abort_request"))
+
+
+def test_cancel_mid_stream_aborts_the_request_and_frees_the_pages(server, client):
     free = client.get_load().num_free_pages
-    stream = client.generate("Tell me a very long story.", **LONG)
-    got = [next(stream) for _ in range(3)]
-    assert client.get_load().num_requests_running == 1
-    stream.close()  # what a `break` out of the loop does
+    with _Aborts(server) as aborts:
+        stream = client.generate("Tell me a very long story.", request_id="leave-me", **LONG)
+        got = [next(stream) for _ in range(3)]
+        assert client.get_load().num_requests_running == 1
+        stream.close()  # what a `break` out of the loop does
+        assert wait_until(lambda: "leave-me" in aborts.outputs)
     assert len(got) == 3
+    out = aborts.outputs["leave-me"]
+    # aborted, not run to its end: at least the 3 tokens seen, far fewer than the 500 asked
+    assert out.finish_reason == "abort" and 3 <= len(out.token_ids) < 500
     assert wait_until(lambda: pages_back(client, free))
 
 
@@ -138,16 +170,23 @@ def test_abort_by_request_id(client):
                 client.generate_text("Hi", request_id="abort-me")
             assert client.abort("abort-me") is True
     assert chunks[-1].finished and chunks[-1].finish_reason == "abort"
-    assert len(chunks) < 500
+    n = sum(len(c.token_ids) for c in chunks)
+    assert 2 <= n < 500 and chunks[-1].usage.completion_tokens == n
     assert client.abort("abort-me") is False
     assert wait_until(lambda: pages_back(client, free))
 
 
-def test_deadline_exceeded_is_an_sdk_error_and_frees_pages(client):
+def test_deadline_exceeded_is_an_sdk_error_and_aborts_the_request(server, client):
     free = client.get_load().num_free_pages
-    with pytest.raises(DeadlineExceeded) as e:
-        client.generate_text("Tell me a long story.", timeout=1.0, **LONG)
+    with _Aborts(server) as aborts:
+        with pytest.raises(DeadlineExceeded) as e:
+            client.generate_text(
+                "Tell me a long story.", request_id="too-slow", timeout=1.0, **LONG
+            )
+        assert wait_until(lambda: "too-slow" in aborts.outputs)
     assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    out = aborts.outputs["too-slow"]
+    assert out.finish_reason == "abort" and len(out.token_ids) < 500
     assert wait_until(lambda: pages_back(client, free))
 
 
