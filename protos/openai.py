@@ -118,7 +118,6 @@ NonNegInt = Annotated[int, Field(ge=0)]
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's: usage on every chunk
 
 
 class _SamplingFields(BaseModel):

@@ -104,21 +104,38 @@ def call_deadline(context: grpc.aio.ServicerContext, default_s: float | None) ->
 
 class Lifecycle:
     """What a server shares with its servicers: ``draining`` (set: they refuse new calls
-    with UNAVAILABLE) and ``inflight``, the tasks of the RPCs a drain waits for. A servicer
-    calls ``enter()`` once it has accepted a call and ``leave()`` when it is done, both in
-    the call's task."""
+    with UNAVAILABLE) and ``inflight``, one future per call in flight, done when the call is:
+    what a drain waits for. A servicer calls ``enter()`` once it has accepted a call and
+    ``leave()`` when it is done, both in the call's task; a call that moves between tasks
+    (an HTTP stream: its first token is awaited in the handler, the rest in the response's
+    task) passes the handle ``enter()`` returned to ``leave(handle)``."""
 
     def __init__(self) -> None:
         self.draining = False
-        self.inflight: set[asyncio.Task] = set()
+        self.inflight: set[asyncio.Future] = set()
+        self._by_task: dict[asyncio.Task, asyncio.Future] = {}  # for leave() without handle
+        self._task_of: dict[asyncio.Future, asyncio.Task] = {}
 
-    def enter(self) -> None:
+    def enter(self) -> asyncio.Future:
+        fut = asyncio.get_running_loop().create_future()
+        self.inflight.add(fut)
         task = asyncio.current_task()
         if task is not None:
-            self.inflight.add(task)
+            self._by_task[task] = fut
+            self._task_of[fut] = task
+        return fut
 
-    def leave(self) -> None:
-        self.inflight.discard(asyncio.current_task())
+    def leave(self, handle: asyncio.Future | None = None) -> None:
+        if handle is None:
+            handle = self._by_task.get(asyncio.current_task())
+            if handle is None:
+                return
+        task = self._task_of.pop(handle, None)
+        if task is not None and self._by_task.get(task) is handle:
+            del self._by_task[task]
+        self.inflight.discard(handle)
+        if not handle.done():
+            handle.set_result(None)
 
 
 class Drain:

@@ -334,7 +334,8 @@ class RouterServer:
             token_ids=ipb.TokenIds(ids=ids), sampling=sampling, request_id=rid
         )
         self.active[rid] = None
-        self.life.enter()
+        # an HTTP stream awaits its first token in the handler's task, the rest elsewhere
+        inflight = self.life.enter()
         tried: list[str] = []
         sent = False
         code = details = None
@@ -385,7 +386,7 @@ class RouterServer:
         finally:
             core.release(rid)
             self.active.pop(rid, None)
-            self.life.leave()
+            self.life.leave(inflight)
         raise RouteError(code, details)
 
     def _cut_calls(self, worker_id: str, reason: str) -> None:

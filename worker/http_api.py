@@ -59,7 +59,8 @@ class EngineBackend:
             raise APIError(400, str(e)) from None
         rid = request.request_id or uuid.uuid4().hex
         stream = self.aeng.generate(list(request.token_ids.ids), params, rid)
-        self.life.enter()
+        # a stream's first token is awaited in the handler's task, the rest in the response's
+        inflight = self.life.enter()
         try:
             async for out in stream:
                 yield response_from_output(out, self.worker_id)
@@ -72,7 +73,7 @@ class EngineBackend:
         finally:
             # leaving early (the client went away, another choice failed) aborts the request
             await stream.aclose()
-            self.life.leave()
+            self.life.leave(inflight)
 
 
 def build_worker_app(engine: AsyncEngine, life: Lifecycle | None = None) -> FastAPI:
