@@ -67,12 +67,18 @@ def test_batches_round_trip_under_the_documented_keys(redis_server):
 
 
 def test_other_model_or_format_never_sees_the_pages(redis_server):
+    obj = encode(SPEC, page(1))
     mine = make_tier(redis_server)
-    mine.put([(h(1), encode(SPEC, page(1)))])
+    mine.put([(h(1), obj)])
+    # positive control: the page is there, for this tier and for any other reader of the
+    # same model and format, so the misses below come from the model and the format alone
+    same = RedisTier(redis_server.url, model_fp=SPEC.model_fp, cache_format="fp16")
+    assert mine.get([h(1)]) == [obj] and same.get([h(1)]) == [obj]
+    assert same.contains([h(1)]) == [True]
     other_model = RedisTier(redis_server.url, model_fp="ab" * 16, cache_format="fp16")
     other_format = RedisTier(redis_server.url, model_fp=SPEC.model_fp, cache_format="int8")
-    assert other_model.get([h(1)]) == [None]
-    assert other_format.contains([h(1)]) == [False]
+    assert other_model.get([h(1)]) == [None] and other_model.contains([h(1)]) == [False]
+    assert other_format.get([h(1)]) == [None] and other_format.contains([h(1)]) == [False]
 
 
 def test_ttl_is_set_when_asked(redis_server):
@@ -138,6 +144,11 @@ def test_backoff_keeps_calls_away_from_a_failed_server(redis_server):
     assert tier.contains([h(1)]) == [False]
     assert (tier.metrics["errors"], tier.metrics["calls_skipped"]) == (1, 2)
     assert redis_server.client().dbsize() == 0
+    # positive control: the server does take that write and answer that read, for a tier
+    # that is not backing off
+    fresh = make_tier(redis_server)
+    fresh.put([(h(1), b"x")])
+    assert fresh.contains([h(1)]) == [True] and fresh.get([h(1)]) == [b"x"]
 
 
 def test_hung_server_times_out_into_misses(redis_server, caplog):
@@ -161,6 +172,14 @@ def test_no_server_at_all_is_just_misses(redis_server):
     tier.put([(h(1), b"x")])
     assert tier.get([h(1)]) == [None]
     assert tier.metrics["incidents"] == 1
+    # positive control: once there is a server, the same tier writes and reads that page
+    redis_server.start()
+
+    def works() -> bool:
+        tier.put([(h(1), b"x")])
+        return tier.get([h(1)]) == [b"x"]
+
+    wait_until(works, "the tier to reach the started server")
 
 
 @pytest.mark.parametrize("damage", ["garbage", "flipped-byte", "truncated", "other-shape"])
