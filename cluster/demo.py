@@ -11,7 +11,7 @@ the worker that served it, its cached prompt tokens by tier and its time to firs
 each policy its totals; then the comparison and why. Then the cluster keeps serving until
 Ctrl-C.
 
-    python -m kvmesh.cluster.demo [--workers 2] [--port 50051] [--no-wait]
+    python -m kvmesh.cluster.demo [--workers 2] [--port 50051] [--http-port 8000] [--no-wait]
 """
 
 from __future__ import annotations
@@ -202,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--port", type=int, default=50051, help="router port (a free one if busy)")
+    p.add_argument(
+        "--http-port", type=int, default=8000, help="OpenAI-compatible API (a free one if busy)"
+    )
     p.add_argument("--policies", default="round_robin,prefix_affinity")
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight")
     p.add_argument("--max-tokens", type=int, default=8)
@@ -224,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         workers=a.workers,
         policy=policies[0],
         port=port,
+        http_port=a.http_port if _port_free(a.http_port) else 0,
         engine_args={"kv_cache_memory": a.kv_cache_memory, "max_num_batched_tokens": 512},
         grace_s=2.0,
         log_level="WARNING",
@@ -297,7 +301,11 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"\nThe cluster keeps serving on {cluster.endpoint} (Ctrl-C to stop). Try:\n"
             f'  .venv/bin/python -c "from kvmesh.cluster import Client; '
-            f"print(Client('{cluster.endpoint}').generate_text('Hello!', max_tokens=32).text)\"",
+            f"print(Client('{cluster.endpoint}').generate_text('Hello!', max_tokens=32).text)\"\n"
+            f"and the OpenAI-compatible API at http://{cluster.http_endpoint}/v1 (README.md):\n"
+            f"  curl -s http://{cluster.http_endpoint}/v1/chat/completions "
+            f'-H \'content-type: application/json\' -d \'{{"model": "{DEFAULT_MODEL}", '
+            f'"messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}\'',
             flush=True,
         )
         stop.wait()
