@@ -50,6 +50,17 @@ def metrics_asgi_app(registry: CollectorRegistry):
     return text_only
 
 
+def add_metrics_route(app, registry: CollectorRegistry) -> None:
+    """``GET /metrics`` on a Starlette / FastAPI ``app`` (the HTTP API's port), text format."""
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+    from starlette.responses import Response
+
+    async def metrics(request) -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    app.add_route("/metrics", metrics, methods=["GET"], include_in_schema=False)
+
+
 class MetricsServer:
     """A registry on ``host:port`` (``/metrics``; 0 picks a free port) from a daemon thread."""
 
@@ -84,4 +95,10 @@ def serve_metrics(registry: CollectorRegistry, host: str = "0.0.0.0", port: int 
     return srv
 
 
-__all__ = ["MetricsServer", "metrics_asgi_app", "metrics_wsgi_app", "serve_metrics"]
+__all__ = [
+    "MetricsServer",
+    "add_metrics_route",
+    "metrics_asgi_app",
+    "metrics_wsgi_app",
+    "serve_metrics",
+]

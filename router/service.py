@@ -275,6 +275,10 @@ class RouterServer:
         self.prometheus_sd_file = prometheus_sd_file
         self.advertise_host: str | None = None  # the host others reach this one at
         self._sd_written: list | None = None
+        if self.http_app is not None:  # the HTTP API's port serves /metrics too
+            from kvmesh.protos.metrics import add_metrics_route
+
+            add_metrics_route(self.http_app, self.metrics.registry)
 
     @property
     def address(self) -> str:

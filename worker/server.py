@@ -145,6 +145,10 @@ class WorkerServer:
 
             self.http_app = build_worker_app(engine, self._life)
             self.http = HttpServer(self.http_app, host, http_port)
+            if engine.engine.metrics is not None:  # the HTTP port serves /metrics too
+                from kvmesh.protos.metrics import add_metrics_route
+
+                add_metrics_route(self.http_app, engine.engine.metrics.registry)
         # Prometheus /metrics of the engine on its own HTTP port (None: not served; 0: any
         # free port), on the same host as gRPC
         if metrics_port is not None and not 0 <= metrics_port < 65536:

@@ -124,7 +124,9 @@ def cluster(smol_src, redis_server_module, sd_file):
         max_num_batched_tokens=512,
         max_num_seqs=8,
     )
-    with local_cluster(engine_args, MODEL, metrics_port=0, prometheus_sd_file=str(sd_file)) as c:
+    with local_cluster(
+        engine_args, MODEL, metrics_port=0, prometheus_sd_file=str(sd_file), http_port=0
+    ) as c:
         yield c
 
 
@@ -372,3 +374,40 @@ def test_kvmesh_top_shows_every_worker_and_exits_on_ctrl_c(cluster, traffic):
             proc.kill()
             proc.wait(timeout=10)
         os.close(master)
+
+
+def _promtool_metrics(text: bytes) -> list[str]:
+    """promtool's problems with a /metrics page, less the ':' lint (see above)."""
+    r = subprocess.run(
+        [_binary("promtool"), "check", "metrics"], input=text, capture_output=True, timeout=30
+    )
+    out = (r.stdout + r.stderr).decode()
+    assert r.returncode in (0, 3), out
+    return [ln for ln in out.splitlines() if ln.strip() and not ln.endswith("contain ':'")]
+
+
+def test_the_http_api_ports_serve_metrics_too(cluster, traffic, smol_src):
+    from kvmesh.worker.engine import LLMEngine
+    from kvmesh.worker.server import WorkerServer
+
+    # the router's OpenAI-compatible port
+    with urllib.request.urlopen(f"http://{cluster.http_endpoint}/metrics", timeout=10) as r:
+        text = r.read()
+    assert b"kvmesh:router_decisions_total" in text
+    assert not _promtool_metrics(text)
+    # a standalone worker's: the same page on its HTTP API port and its metrics port
+    srv = WorkerServer(
+        LLMEngine(MODEL, kv_cache_memory="32MiB"), http_port=0, metrics_port=0, data_plane=False
+    )
+    srv.start_in_thread()
+    try:
+        pages = []
+        for addr in (f"127.0.0.1:{srv.http.port}", srv.metrics_address):
+            with urllib.request.urlopen(f"http://{addr}/metrics", timeout=10) as r:
+                pages.append(r.read())
+        for text in pages:
+            assert b"kvmesh:num_requests_running{" in text
+            assert f'worker="{srv.worker_id}"'.encode() in text
+            assert not _promtool_metrics(text)
+    finally:
+        srv.stop_in_thread(grace=0)
