@@ -62,6 +62,9 @@ def channel_options(
         ("grpc.max_receive_message_length", limit),
         ("grpc.keepalive_time_ms", max(1, round(keepalive_s * 1000))),
         ("grpc.keepalive_timeout_ms", max(1, round(keepalive_timeout_s * 1000))),
+        # grpc 1.85 times a keepalive ping's answer out by this one (default 60 s), not
+        # by keepalive_timeout_ms alone (seen with a SIGSTOP'd server: 60 s, not 1 s)
+        ("grpc.http2.ping_timeout_ms", max(1, round(keepalive_timeout_s * 1000))),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
     ]
@@ -85,6 +88,7 @@ def aio_server(
             ("grpc.so_reuseport", 0),
             ("grpc.keepalive_time_ms", round(SERVER_KEEPALIVE_TIME_S * 1000)),
             ("grpc.keepalive_timeout_ms", round(KEEPALIVE_TIMEOUT_S * 1000)),
+            ("grpc.http2.ping_timeout_ms", round(KEEPALIVE_TIMEOUT_S * 1000)),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_ping_interval_without_data_ms", round(SERVER_MIN_PING_S * 1000)),
             ("grpc.http2.max_ping_strikes", 0),

@@ -364,11 +364,13 @@ class RouterServer:
                         yield msg
                     return
                 except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
-                    cut = self._cut.pop(rid, None)  # the worker was dropped as dead
-                    if cut is not None and not _cancelled_from_outside():
-                        err_code, err = grpc.StatusCode.UNAVAILABLE, f"dropped as dead: {cut}"
-                    elif isinstance(e, asyncio.CancelledError):
+                    if isinstance(e, asyncio.CancelledError) and _cancelled_from_outside():
                         raise  # the client left (or the server stops): not the worker's doing
+                    cut = self._cut.pop(rid, None)  # the worker was dropped as dead
+                    if cut is not None:
+                        err_code, err = grpc.StatusCode.UNAVAILABLE, f"dropped as dead: {cut}"
+                    elif isinstance(e, asyncio.CancelledError):  # its channel went away
+                        err_code, err = grpc.StatusCode.UNAVAILABLE, "the call was cancelled"
                     else:
                         err_code, err = e.code(), e.details()
                     if err_code != grpc.StatusCode.UNAVAILABLE:
@@ -502,7 +504,10 @@ class RouterServer:
             await asyncio.sleep(self.housekeeping_s)
             try:
                 self.core.expire()
-                for wid in [w for w in self._channels if w not in self.core.workers]:
+                # a departed worker's channel closes once its calls are done: one that left
+                # by itself (draining) may still be finishing streams over it
+                gone = [w for w in self._channels if w not in self.core.workers]
+                for wid in [w for w in gone if not self._calls.get(w)]:
                     _, ch, _ = self._channels.pop(wid)
                     await ch.close(grace=None)
                 await self._set_health()
