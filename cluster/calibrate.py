@@ -273,7 +273,9 @@ def redis_url_for(url: str | None, log: Callable[[str], None] = _stderr) -> Iter
     loopback port, no persistence, killed on exit."""
     if url is not None:
         if not _ping(url):
-            raise CalibrationError(f"Redis at {url} does not answer PING")
+            from kvmesh.kvstore.redis_tier import redact_url
+
+            raise CalibrationError(f"Redis at {redact_url(url)} does not answer PING")
         yield url
         return
     binary = shutil.which("redis-server")
@@ -402,7 +404,9 @@ def _calibrate(model, name, dtype, kv_cache_dtype, redis_url, sizes, text, threa
 
     # phase 3: Redis (no host tier: evicted pages go straight to Redis)
     with redis_url_for(redis_url, log) as url:
-        log(f"loading the engine with a Redis tier ({url})")
+        from kvmesh.kvstore.redis_tier import redact_url
+
+        log(f"loading the engine with a Redis tier ({redact_url(url)})")
         llm = make_llm(num_pages=tier_pages, redis_url=url)
         try:
             red = measure_tier(llm, "redis", tier_prompts, sz.tier_promotions, log)

@@ -31,7 +31,18 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "--host-cache-memory", default=None, help="host-RAM tier for spilled pages, e.g. 4GiB"
     )
     p.add_argument("--redis-url", default=None, help="Redis tier, e.g. redis://host:6379/0")
-    p.add_argument("--redis-ttl", type=float, default=None, help="seconds Redis keeps a page")
+    p.add_argument(
+        "--redis-ttl",
+        type=float,
+        default=24 * 3600.0,
+        help="seconds a page stays in Redis after it was written (default 86400; 0: no expiry, "
+        "Redis's own eviction policy decides)",
+    )
+    p.add_argument(
+        "--redis-namespace",
+        default="kvmesh",
+        help="prefix of kvmesh's Redis keys, e.g. one per cluster sharing a Redis",
+    )
     p.add_argument(
         "--peer",
         action="append",
@@ -62,7 +73,8 @@ def _engine_kwargs(
         enable_prefix_caching=not a.no_prefix_caching,
         host_cache_memory=a.host_cache_memory,
         redis_url=a.redis_url,
-        redis_ttl_s=a.redis_ttl,
+        redis_ttl_s=a.redis_ttl or None,
+        redis_namespace=a.redis_namespace,
         extra_tiers=_peer_tiers(a.peer, security) if peer_tiers else [],
     )
 

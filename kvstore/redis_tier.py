@@ -1,8 +1,13 @@
 """The Redis tier: encoded page objects in a Redis server, batched, and never a failure.
 
-Keys are ``kvmesh:{model_fp}:{cache_format}:{page_hash_hex}`` (DESIGN.md). Every batch is one
-round trip: ``get`` is one MGET, ``contains`` pipelined EXISTS, ``put`` pipelined SET (with PX
-when a TTL is set), ``evict`` one DEL.
+Keys are ``{namespace}:{model_fp}:{cache_format}:{page_hash_hex}``, the namespace ``kvmesh``
+by default (DESIGN.md; another one keeps two clusters sharing a Redis apart). Every batch is
+one round trip: ``get`` is one MGET, ``contains`` pipelined EXISTS, ``put`` pipelined SET
+with PX (a page expires ``DEFAULT_TTL_S``, a day, after it was last written, unless told
+otherwise; ``ttl_s=None``: never), ``evict`` one DEL.
+
+The URL may carry a password (``redis://:secret@host:6379/0``): it is never logged; logs and
+``RedisTier.url`` show ``redact_url``'s form (``redis://:***@host:6379/0``).
 
 A Redis that is down, slow or full costs cache hits, never a request: any fault turns reads
 into misses and skips writes. The first fault of an incident logs one warning; the tier then
@@ -16,10 +21,12 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -34,13 +41,41 @@ T = TypeVar("T")
 _SKIPPED = object()  # the call did not reach the server (backoff, or it failed)
 
 
-def redis_key(model_fp: str, cache_format: str, page_hash: bytes) -> str:
+DEFAULT_NAMESPACE = "kvmesh"
+DEFAULT_TTL_S = 24 * 3600.0  # a page not written again for a day is dropped
+_NAMESPACE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+
+
+def redis_key(
+    model_fp: str, cache_format: str, page_hash: bytes, namespace: str = DEFAULT_NAMESPACE
+) -> str:
     """The Redis key of one page."""
-    return f"kvmesh:{model_fp}:{cache_format}:{page_hash.hex()}"
+    return f"{namespace}:{model_fp}:{cache_format}:{page_hash.hex()}"
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password (in the user part or a ``password=`` query parameter)
+    replaced by ``***``, for logs."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable redis url>"
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, _, hostport = netloc.rpartition("@")
+        user, sep, _ = userinfo.partition(":")
+        netloc = f"{user}:***@{hostport}" if sep or not user else f"***@{hostport}"
+    pairs = [p.partition("=") for p in parts.query.split("&")] if parts.query else []
+    query = "&".join(
+        f"{k}{eq}***" if k.lower() == "password" else f"{k}{eq}{v}" for k, eq, v in pairs
+    )
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
 
 
 class RedisTier(Tier):
-    """Encoded page objects in Redis under ``kvmesh:{model_fp}:{cache_format}:{hash hex}``.
+    """Encoded page objects in Redis under ``{namespace}:{model_fp}:{cache_format}:{hash
+    hex}``, each expiring ``ttl_s`` seconds after it was written (``None``: never; then only
+    Redis's own eviction policy bounds them).
 
     ``metrics`` counters: ``hits``, ``misses`` (including reads answered during a backoff),
     ``puts``, ``puts_skipped``, ``oom`` (SETs refused for memory), ``evictions`` (keys sent
@@ -57,7 +92,8 @@ class RedisTier(Tier):
         *,
         model_fp: str,
         cache_format: str,
-        ttl_s: float | None = None,
+        ttl_s: float | None = DEFAULT_TTL_S,
+        namespace: str = DEFAULT_NAMESPACE,
         timeout_s: float = 0.5,
         max_connections: int = 8,
         backoff_s: float = 0.1,
@@ -69,6 +105,10 @@ class RedisTier(Tier):
             raise ValueError(
                 f"cache_format must be a non-empty string without ':', got {cache_format!r}"
             )
+        if not isinstance(namespace, str) or not _NAMESPACE.fullmatch(namespace):
+            raise ValueError(
+                f"namespace must be 1-64 characters of letters, digits and _.:-, got {namespace!r}"
+            )
         if ttl_s is not None and not ttl_s > 0:
             raise ValueError(f"ttl_s must be > 0 seconds or None, got {ttl_s!r}")
         if not timeout_s > 0:
@@ -79,7 +119,8 @@ class RedisTier(Tier):
             raise ValueError(
                 f"need 0 < backoff_s <= max_backoff_s, got {backoff_s!r} and {max_backoff_s!r}"
             )
-        self.url = url
+        self.url = redact_url(url)  # what logs show: the real one stays in the pool
+        self.namespace = namespace
         self.model_fp = model_fp
         self.cache_format = cache_format
         self._px = None if ttl_s is None else max(1, round(ttl_s * 1000))
@@ -188,7 +229,7 @@ class RedisTier(Tier):
 
     # -------------------------------------------------------------- operations
     def _keys(self, hashes: Sequence[bytes]) -> list[str]:
-        return [redis_key(self.model_fp, self.cache_format, h) for h in hashes]
+        return [redis_key(self.model_fp, self.cache_format, h, self.namespace) for h in hashes]
 
     def contains(self, hashes: Sequence[bytes]) -> list[bool]:
         if not hashes:

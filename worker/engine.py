@@ -99,7 +99,8 @@ class LLMEngine:
         engine_id: str | None = None,
         host_cache_memory: str | int | None = None,
         redis_url: str | None = None,
-        redis_ttl_s: float | None = None,
+        redis_ttl_s: float | None = 24 * 3600.0,  # RedisTier's DEFAULT_TTL_S; None: never
+        redis_namespace: str = "kvmesh",
         extra_tiers: Sequence[Tier] = (),
         enable_metrics: bool = True,
         peer_identity: ClusterIdentity | None = None,
@@ -155,6 +156,7 @@ class LLMEngine:
             host_cache_memory=host_bytes,
             redis_url=redis_url,
             redis_ttl_s=redis_ttl_s,
+            redis_namespace=redis_namespace,
             extra_tiers=extra_tiers,
         )
         self.connector = KVConnector(self.kv, self.memory, store)

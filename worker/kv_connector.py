@@ -56,7 +56,8 @@ def make_store(
     *,
     host_cache_memory: int | None = None,
     redis_url: str | None = None,
-    redis_ttl_s: float | None = None,
+    redis_ttl_s: float | None = 24 * 3600.0,
+    redis_namespace: str = "kvmesh",
     extra_tiers: Sequence[Tier] = (),
 ) -> TieredStore | None:
     """The tiers below the device, fastest first, or None when there are none."""
@@ -68,7 +69,11 @@ def make_store(
 
         tiers.append(
             RedisTier(
-                redis_url, model_fp=spec.model_fp, cache_format=spec.cache_format, ttl_s=redis_ttl_s
+                redis_url,
+                model_fp=spec.model_fp,
+                cache_format=spec.cache_format,
+                ttl_s=redis_ttl_s,
+                namespace=redis_namespace,
             )
         )
     tiers += list(extra_tiers)

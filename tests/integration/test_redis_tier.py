@@ -3,17 +3,20 @@ hangs, fills up or holds garbage. Every fault must end as a miss, never as an ex
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import signal
 import time
+import types
 
 import pytest
 
 from kvmesh.kvstore.codec import PageSpec, encode
 from kvmesh.kvstore.host import HostTier
-from kvmesh.kvstore.redis_tier import RedisTier, redis_key
+from kvmesh.kvstore.redis_tier import DEFAULT_TTL_S, RedisTier, redact_url, redis_key
 from kvmesh.kvstore.store import TieredStore
+from kvmesh.worker.engine import LLMEngine
 
 LOGGER = "kvmesh.kvstore.redis_tier"
 SPEC = PageSpec("5eed" * 8, "fp16", 2, 2, 8, 4, 4096)
@@ -84,9 +87,42 @@ def test_other_model_or_format_never_sees_the_pages(redis_server):
 def test_ttl_is_set_when_asked(redis_server):
     client = redis_server.client()
     make_tier(redis_server, ttl_s=30).put([(h(1), b"x")])
-    make_tier(redis_server).put([(h(2), b"y")])
+    make_tier(redis_server, ttl_s=None).put([(h(2), b"y")])
+    make_tier(redis_server).put([(h(3), b"z")])
     assert 0 < client.pttl(redis_key(SPEC.model_fp, "fp16", h(1))) <= 30_000
     assert client.pttl(redis_key(SPEC.model_fp, "fp16", h(2))) == -1  # no expiry
+    # the default: a day (docs/security.md), and the engine's default is the tier's
+    assert 30_000 < client.pttl(redis_key(SPEC.model_fp, "fp16", h(3))) <= DEFAULT_TTL_S * 1000
+    assert inspect.signature(LLMEngine).parameters["redis_ttl_s"].default == DEFAULT_TTL_S
+
+
+def test_a_namespace_keeps_two_clusters_apart(redis_server):
+    client = redis_server.client()
+    a, b = make_tier(redis_server), make_tier(redis_server, namespace="blue:kvmesh")
+    a.put([(h(1), b"a-page")])
+    assert b.get([h(1)]) == [None] and b.contains([h(1)]) == [False]
+    b.put([(h(1), b"b-page")])
+    assert a.get([h(1)]) == [b"a-page"] and b.get([h(1)]) == [b"b-page"]
+    assert client.exists(redis_key(SPEC.model_fp, "fp16", h(1), "blue:kvmesh")) == 1
+    with pytest.raises(ValueError, match="namespace"):
+        make_tier(redis_server, namespace="has space")
+
+
+def test_the_redis_password_is_never_logged(redis_server, caplog):
+    password = "s3cret-redis-pass"
+    redis_server.client().config_set("requirepass", password)
+    url = f"redis://:{password}@127.0.0.1:{redis_server.port}/0"
+    tier = make_tier(types.SimpleNamespace(url=url))
+    assert tier.put([(h(1), b"x")]) == [h(1)] and tier.get([h(1)]) == [b"x"]  # it got in
+    assert password not in tier.url and ":***@" in tier.url
+    with caplog.at_level(logging.DEBUG, logger="kvmesh.kvstore.redis_tier"):
+        redis_server.stop()
+        assert tier.get([h(1)]) == [None]  # down: logged, with the URL
+    assert any(tier.url in r.getMessage() for r in caplog.records)
+    assert password not in caplog.text
+    assert redact_url(f"rediss://user:{password}@h:1/0?password={password}") == (
+        "rediss://user:***@h:1/0?password=***"
+    )
 
 
 def test_server_killed_then_restarted(redis_server, caplog):
