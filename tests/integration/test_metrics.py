@@ -411,3 +411,43 @@ def test_the_http_api_ports_serve_metrics_too(cluster, traffic, smol_src):
             assert not _promtool_metrics(text)
     finally:
         srv.stop_in_thread(grace=0)
+
+
+def test_engine_counts_every_request_once_aborts_included(smol_src):
+    from kvmesh.worker.engine import LLMEngine
+    from kvmesh.worker.sampling_params import SamplingParams
+
+    eng = LLMEngine(MODEL, kv_cache_memory="32MiB")
+    reg = eng.metrics.registry
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    keep = eng.add_request(list(range(100, 140)), params)
+    gone = eng.add_request(list(range(200, 230)), params)
+    outs: dict = {}
+    eng.step()  # both prefill and sample their first token
+    eng.add_request(list(range(300, 310)), params, request_id="never-scheduled")
+    out = eng.abort_request(gone)
+    assert out.finish_reason == "abort" and len(out.token_ids) == 1
+    eng.abort_request("never-scheduled")
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            outs[o.request_id] = o
+    assert outs[keep].finish_reason == "length"
+
+    def v(name: str, **labels) -> float:
+        got = reg.get_sample_value(
+            "kvmesh:" + name, {"model_name": eng.src.name, "worker": eng.engine_id, **labels}
+        )
+        return 0.0 if got is None else got
+
+    assert v("request_success_total", finished_reason="length") == 1
+    assert v("request_success_total", finished_reason="abort") == 2
+    assert v("generation_tokens_total") == 5 + 1
+    assert v("prompt_tokens_total") == 40 + 30  # the never-scheduled one never prefilled
+    assert v("time_to_first_token_seconds_count") == 2
+    assert v("inter_token_latency_seconds_count") == 4  # keep's tokens 2..5
+    assert v("e2e_request_latency_seconds_count") == 3
+    assert v("request_queue_time_seconds_count") == 2
+    assert v("request_generation_tokens_sum") == 5 + 1 + 0
+    assert v("num_requests_running") == 0 and v("num_requests_waiting") == 0
+    assert v("prefix_cache_queries_total") == 70
+    eng.close()
