@@ -183,3 +183,19 @@ def test_alert_rules_use_only_documented_metrics():
         for r in g["rules"]:
             assert _used(r["expr"]) <= documented, (r["alert"], _used(r["expr"]) - documented)
             assert r["alert"] in (ROOT / "docs" / "metrics.md").read_text()
+
+
+def test_cli_metrics_flags():
+    from kvmesh.cluster.cli import build_parser
+    from kvmesh.cluster.serve import ClusterConfig, config_from_args
+
+    p = build_parser()
+    a = p.parse_args(["serve", "--metrics-port", "9400", "--prometheus-sd-file", "/tmp/sd.json"])
+    cfg = config_from_args(a)
+    assert (cfg.metrics_port, cfg.prometheus_sd_file) == (9400, "/tmp/sd.json")
+    assert p.parse_args(["worker", "--metrics-port", "0"]).metrics_port == 0
+    assert p.parse_args(["top", "--address", "h:9400"]).address == "h:9400"
+    with pytest.raises(ValueError, match="prometheus_sd_file needs metrics_port"):
+        ClusterConfig(prometheus_sd_file="/tmp/sd.json")
+    with pytest.raises(ValueError, match="metrics_port"):
+        ClusterConfig(metrics_port=70000)
