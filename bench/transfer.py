@@ -1,7 +1,7 @@
 """Page transfer between workers: the data plane and gRPC Fetch. Prints one JSON object.
 
     .venv/bin/python bench/transfer.py [--pages 1000] [--page-nbytes 737280] [--skip-ttft]
-                                       [--ttft-grpc]
+                                       [--ttft-grpc] [--tls]
 
 1. Throughput: a worker server whose host tier holds ``--pages`` page objects of
    ``--page-nbytes`` (SmolLM2's fp32 page by default); a ``PeerTier`` client fetches them
@@ -12,6 +12,13 @@
    same objects, one per message, with no kvmesh code on either side. Target: the path
    PeerTier uses by default at >= 50% of the socket's throughput. Each path's best of
    ``--repeats``; the previous repeat's pages are freed before the next fetch starts.
+   Authentication (docs/security.md): every fetch is a cluster member's (a fresh cluster
+   secret); the data plane MACs every page with HMAC-SHA256 on both ends, so its figure
+   includes that cost, and ``hmac_sha256_MBps`` is what one core MACs in the same run (each
+   side pays it once per page). ``--tls`` adds ``fetch_tls_MBps``: the same Fetch from a
+   worker whose gRPC port uses TLS (a throwaway CA made by the ``openssl`` CLI), and the
+   data plane of that TLS worker (``data_plane_under_tls_MBps``; the same MAC'd bytes, not
+   encrypted).
 2. TTFT of worker B serving a ``--prefix-tokens`` prefix that worker A computed, by pulling
    A's pages (peer tier, over the transport PeerTier picks by default, or gRPC Fetch with
    ``--ttft-grpc``: ``peer_transport``), against B computing a same-length prompt A does not
@@ -37,7 +44,10 @@ from machine import machine_info
 from kvmesh.kvstore.codec import PageSpec, encode
 from kvmesh.kvstore.host import HostTier
 from kvmesh.kvstore.peer import PeerTier, TierPageSource
+from kvmesh.protos.security import ClusterIdentity, TLSConfig
 from kvmesh.worker.server import WorkerServer
+
+IDENTITY = ClusterIdentity.generate()  # the benchmark's cluster
 
 TEXT = Path(__file__).resolve().parents[1].parent / "shared/data/tinyshakespeare.txt"
 
@@ -132,11 +142,47 @@ def grpc_stream_gbps(objs: list[bytes], repeats: int) -> float:
     return total / best / 1e9
 
 
-def peer_fetch_s(address: str, hashes, objs, repeats: int, *, data_plane: bool) -> tuple:
+def hmac_gbps(objs: list[bytes], repeats: int) -> float:
+    """HMAC-SHA256 of every object on one core: what each side of the data plane pays."""
+    import hmac
+
+    key = IDENTITY.data_plane_key
+    total = sum(map(len, objs))
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for o in objs:
+            hmac.digest(key, o, "sha256")
+        best = min(best, time.perf_counter() - t0)
+    return total / best / 1e9
+
+
+def throwaway_tls(tmp: Path) -> TLSConfig:
+    """A CA and a certificate for 127.0.0.1 made by the openssl CLI."""
+    import subprocess
+
+    def run(*a: str) -> None:
+        subprocess.run(["openssl", *a], cwd=tmp, check=True, capture_output=True)
+
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
+        "-subj", "/CN=bench CA")  # fmt: skip
+    (tmp / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    run("req", *ec, "-keyout", "srv.key", "-out", "srv.csr", "-subj", "/CN=bench")
+    run("x509", "-req", "-in", "srv.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+        "-CAcreateserial", "-out", "srv.pem", "-days", "1", "-extfile", "san.ext")  # fmt: skip
+    return TLSConfig.from_files(tmp / "srv.pem", tmp / "srv.key", ca=tmp / "ca.pem")
+
+
+def peer_fetch_s(
+    address: str, hashes, objs, repeats: int, *, data_plane: bool, credentials=None
+) -> tuple:
     """Seconds of each ``PeerTier.get`` of every page, and the transport it used."""
     name = "data plane" if data_plane else "gRPC Fetch"
     total = sum(map(len, objs))
-    peer = PeerTier([address], timeout=120.0, data_plane=data_plane)
+    peer = PeerTier(
+        [address], identity=IDENTITY, timeout=120.0, data_plane=data_plane, credentials=credentials
+    )
     try:
         transport = peer.transport()
         times = []
@@ -164,7 +210,9 @@ def bench_fetch(args) -> dict:
     total = sum(map(len, objs))
     sock_gbps = socket_copy_gbps(objs, args.repeats)
     log(f"socket: {sock_gbps:.3f} GB/s")
-    server = WorkerServer(None, page_source=TierPageSource(host, spec=spec))
+    mac_gbps = hmac_gbps(objs, args.repeats)
+    log(f"hmac-sha256: {mac_gbps:.3f} GB/s")
+    server = WorkerServer(None, page_source=TierPageSource(host, spec=spec), identity=IDENTITY)
     server.start_in_thread()
     try:
         dp_times, default = peer_fetch_s(
@@ -174,6 +222,35 @@ def bench_fetch(args) -> dict:
         fetch_times, _ = peer_fetch_s(server.address, hashes, objs, args.repeats, data_plane=False)
     finally:
         server.stop_in_thread(grace=0)
+    tls_out = {}
+    if args.tls:
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="kvmesh-bench-tls-") as tmp:
+            tls = throwaway_tls(Path(tmp))
+        server = WorkerServer(
+            None,
+            page_source=TierPageSource(host, spec=spec),
+            identity=IDENTITY,
+            server_credentials=tls.server_credentials(),
+            data_plane=True,  # asked for: a TLS worker runs none by default
+        )
+        server.start_in_thread()
+        creds = tls.channel_credentials()
+        try:
+            tls_fetch, _ = peer_fetch_s(
+                server.address, hashes, objs, args.repeats, data_plane=False, credentials=creds
+            )
+            tls_dp, _ = peer_fetch_s(
+                server.address, hashes, objs, args.repeats, data_plane=True, credentials=creds
+            )
+        finally:
+            server.stop_in_thread(grace=0)
+        tls_out = {
+            "fetch_tls_MBps": total / min(tls_fetch) / 1e6,
+            "fetch_tls_over_fetch": min(fetch_times) / min(tls_fetch),
+            "data_plane_under_tls_MBps": total / min(tls_dp) / 1e6,
+        }
     bare_gbps = grpc_stream_gbps(objs, args.repeats)
     log(f"bare grpc stream: {bare_gbps:.3f} GB/s")
     dp_s, fetch_s = min(dp_times), min(fetch_times)
@@ -195,6 +272,8 @@ def bench_fetch(args) -> dict:
         "bare_grpc_stream_over_socket": bare_gbps / sock_gbps,
         "fetch_over_bare_grpc": fetch_gbps / bare_gbps,
         "peer_tier_default": default,
+        "hmac_sha256_MBps": mac_gbps * 1e3,  # one core; each side MACs every page once
+        **tls_out,
         # the path PeerTier uses by default (the data plane) against the plain socket
         "target_ge_0.5": dp_gbps / sock_gbps >= 0.5,
     }
@@ -206,10 +285,10 @@ def bench_peer_ttft(args) -> dict:
 
     text = TEXT.read_text()
     a_engine = LLMEngine("smollm2-135m-instruct", kv_cache_memory="512MiB")
-    a = WorkerServer(a_engine)
+    a = WorkerServer(a_engine, identity=IDENTITY)
     a.start_in_thread()
     # PeerTier's default transport (the data plane), unless --ttft-grpc
-    peer = PeerTier([a.address], timeout=120.0, data_plane=not args.ttft_grpc)
+    peer = PeerTier([a.address], identity=IDENTITY, timeout=120.0, data_plane=not args.ttft_grpc)
     transport = peer.transport()
     b = LLM("smollm2-135m-instruct", kv_cache_memory="512MiB", extra_tiers=[peer])
     tok = b.tokenizer
@@ -259,6 +338,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prefix-tokens", type=int, default=2048)
     ap.add_argument("--skip-ttft", action="store_true")
+    ap.add_argument(
+        "--tls", action="store_true", help="also fetch from a TLS worker (needs the openssl CLI)"
+    )
     ap.add_argument(
         "--ttft-grpc", action="store_true", help="peer TTFT over gRPC Fetch, not the data plane"
     )
