@@ -51,6 +51,8 @@ SAMPLING_FIELDS = (
     "ignore_eos",
     "skip_special_tokens",
     "logprobs",
+    "top_logprobs",
+    "min_tokens",
     "include_stop_str_in_output",
     "cache_salt",
 )

@@ -183,12 +183,13 @@ def _validation_error(exc: RequestValidationError) -> APIError:
 class _Choice:
     """One choice's stream folded into its final state."""
 
-    __slots__ = ("text", "token_ids", "logprobs", "finish_reason", "final")
+    __slots__ = ("text", "token_ids", "logprobs", "tops", "finish_reason", "final")
 
     def __init__(self) -> None:
         self.text: list[str] = []
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
+        self.tops: list[ipb.TopLogprobs] = []
         self.finish_reason: str | None = None
         self.final: ipb.GenerateResponse | None = None
 
@@ -240,12 +241,15 @@ class _Api:
         except Exception as e:  # no template, or the template refused the messages
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
 
-    def sampling(self, body, max_tokens: int | None, logprobs: bool) -> ipb.SamplingParams:
+    def sampling(
+        self, body, max_tokens: int | None, logprobs: bool, top_logprobs: int = 0
+    ) -> ipb.SamplingParams:
         """The gRPC SamplingParams for ``body``; rejects what kvmesh cannot honour."""
         _reject_unsupported(body)
         sp = ipb.SamplingParams(
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
+            top_logprobs=top_logprobs,
             include_stop_str_in_output=body.include_stop_str_in_output,
             skip_special_tokens=body.skip_special_tokens,
             max_tokens=max_tokens if max_tokens is not None else _UNLIMITED,
@@ -262,10 +266,7 @@ class _Api:
             if not _proto_has("cache_salt"):
                 raise APIError(400, "cache_salt is not supported yet", param="cache_salt")
             sp.cache_salt = body.cache_salt
-        if body.min_tokens:
-            if not _proto_has("min_tokens"):
-                raise APIError(400, "min_tokens is not supported yet", param="min_tokens")
-            sp.min_tokens = body.min_tokens
+        sp.min_tokens = body.min_tokens
         return sp
 
     # ------------------------------------------------------------ the endpoints
@@ -276,17 +277,11 @@ class _Api:
         for name, bad in (("echo", body.echo), ("suffix", body.suffix is not None)):
             if bad:
                 raise APIError(400, f"{name} is not supported", param=name)
-        if body.logprobs:  # OpenAI's logprobs=N also lists the N most likely tokens
-            raise APIError(
-                400,
-                "logprobs > 0 (top alternatives) is not supported yet; logprobs=0 returns "
-                "each sampled token's logprob",
-                param="logprobs",
-            )
         prompts = body.prompts()
         if not prompts:
             raise APIError(400, "the prompt is empty", param="prompt")
-        sp = self.sampling(body, body.max_tokens, body.logprobs is not None)
+        # OpenAI's logprobs=N: each sampled token's logprob and the N most likely tokens
+        sp = self.sampling(body, body.max_tokens, body.logprobs is not None, body.logprobs or 0)
         ids_list = []
         for p in prompts:
             ids = await self.encode(p) if isinstance(p, str) else list(p)
@@ -311,12 +306,10 @@ class _Api:
                 f"response_format {body.response_format.type!r} is not supported; accepted: text",
                 param="response_format",
             )
-        if body.top_logprobs:
-            raise APIError(400, "top_logprobs > 0 is not supported yet", param="top_logprobs")
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         max_tokens = body.max_completion_tokens or body.max_tokens
-        sp = self.sampling(body, max_tokens, body.logprobs)
+        sp = self.sampling(body, max_tokens, body.logprobs, body.top_logprobs or 0)
         text = await self.template(body.messages, body.add_generation_prompt)
         ids = await self.encode(text)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -381,6 +374,7 @@ async def _fold(events: AsyncIterator[tuple[int, ipb.GenerateResponse]], choices
         c.text.append(msg.text)
         c.token_ids.extend(msg.token_ids)
         c.logprobs.extend(msg.logprobs)
+        c.tops.extend(msg.top_logprobs)
         if msg.finished:
             _raise_if_failed(msg)
             c.finish_reason = msg.finish_reason or None
@@ -517,15 +511,29 @@ class _Format:
     def _token_text(self, tid: int) -> str:
         return self.tok.decode([tid], skip_special_tokens=False) if self.tok else ""
 
-    def _logprobs(self, i: int, token_ids: Sequence[int], lps: Sequence[float]) -> dict | None:
+    def _logprobs(
+        self, i: int, token_ids: Sequence[int], lps: Sequence[float], tops: Sequence
+    ) -> dict | None:
+        """OpenAI's logprobs of choice ``i``'s new tokens; ``tops``: their TopLogprobs."""
         if not self.want_logprobs:
             return None
         texts = [self._token_text(t) for t in token_ids]
+        alts = [
+            [(self._token_text(t), v) for t, v in zip(top.token_ids, top.logprobs)] for top in tops
+        ]
         if self.kind == "chat":
             return {
                 "content": [
-                    {"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []}
-                    for s, lp in zip(texts, lps)
+                    {
+                        "token": s,
+                        "logprob": lp,
+                        "bytes": list(s.encode()),
+                        "top_logprobs": [
+                            {"token": a, "logprob": v, "bytes": list(a.encode())}
+                            for a, v in (alts[j] if j < len(alts) else ())
+                        ],
+                    }
+                    for j, (s, lp) in enumerate(zip(texts, lps))
                 ]
             }
         offsets = []
@@ -537,7 +545,8 @@ class _Format:
         return {
             "tokens": texts,
             "token_logprobs": list(lps),
-            "top_logprobs": None,
+            # the legacy shape: per position, {token text: logprob} of the most likely tokens
+            "top_logprobs": [dict(a) for a in alts] if alts else None,
             "text_offset": offsets,
         }
 
@@ -561,7 +570,7 @@ class _Format:
     def full(self, choices: list[_Choice]) -> dict:
         out = []
         for i, c in enumerate(choices):
-            lp = self._logprobs(i, c.token_ids, c.logprobs)
+            lp = self._logprobs(i, c.token_ids, c.logprobs, c.tops)
             text = "".join(c.text)
             if self.kind == "chat":
                 out.append(
@@ -587,7 +596,7 @@ class _Format:
         }
 
     def chunk(self, i: int, msg: ipb.GenerateResponse, first: bool, include_usage: bool) -> dict:
-        lp = self._logprobs(i, msg.token_ids, msg.logprobs)
+        lp = self._logprobs(i, msg.token_ids, msg.logprobs, msg.top_logprobs)
         finish = (msg.finish_reason or None) if msg.finished else None
         if self.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant"} if first else {}

@@ -399,8 +399,40 @@ class LLMEngine:
         to_sample, logits = self.runner.execute(sched.scheduled)
         for req, n in sched.scheduled:
             req.num_computed_tokens += n
+        if to_sample:
+            self._mask_early_stops(logits, to_sample)
         tokens, logprobs, errors = sample(logits, to_sample) if to_sample else ([], [], [])
+        if any(r.params.top_logprobs for r in to_sample):
+            self._record_top_logprobs(logits, to_sample, errors)
         return to_sample, tokens, logprobs, errors
+
+    def _mask_early_stops(self, logits: torch.Tensor, reqs: list[Request]) -> None:
+        """min_tokens: a request short of it cannot sample EOS (unless ignore_eos) or its
+        stop_token_ids. logits: (S, V), one row per request, masked in place."""
+        vocab = logits.shape[-1]
+        for i, req in enumerate(reqs):
+            p = req.params
+            if len(req.output_token_ids) >= p.min_tokens:
+                continue
+            ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+            ids = [t for t in ids if t < vocab]
+            if ids:
+                # the lowest finite logit, not -inf: the sampler fails a row that is not finite
+                with torch.inference_mode():  # the model's logits are an inference tensor
+                    logits[i, ids] = torch.finfo(logits.dtype).min
+
+    @staticmethod
+    def _record_top_logprobs(logits: torch.Tensor, reqs: list[Request], errors: list) -> None:
+        """The k most likely tokens of each asking row that sampled, appended to its request
+        (as its logprobs are: under the distribution the sampler saw, before temperature)."""
+        rows = [i for i, r in enumerate(reqs) if r.params.top_logprobs and errors[i] is None]
+        if not rows:
+            return
+        k = max(reqs[i].params.top_logprobs for i in rows)
+        vals, ids = torch.log_softmax(logits[rows], dim=-1).topk(k, dim=-1)  # (R, k)
+        for row, v, t in zip(rows, vals.tolist(), ids.tolist()):
+            n = reqs[row].params.top_logprobs
+            reqs[row].top_logprobs.append(list(zip(t[:n], v[:n])))
 
     def _postprocess(self, reqs: list[Request], tokens: list[int], logprobs: list, errors: list):
         outputs = []

@@ -45,6 +45,8 @@ def sampling_from_proto(sp: ipb.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(sp.stop_token_ids),
         ignore_eos=sp.ignore_eos,
         logprobs=sp.logprobs,
+        top_logprobs=sp.top_logprobs,
+        min_tokens=sp.min_tokens,
         include_stop_str_in_output=sp.include_stop_str_in_output,
         **kw,
     )
@@ -58,6 +60,9 @@ def response_from_output(out: RequestOutput, worker_id: str) -> ipb.GenerateResp
     )
     if out.logprobs is not None and n:
         msg.logprobs.extend(out.logprobs[-n:])
+    if out.top_logprobs and n:
+        for alts in out.top_logprobs[-n:]:
+            msg.top_logprobs.add(token_ids=[t for t, _ in alts], logprobs=[v for _, v in alts])
     if out.finished:
         msg.finished = True
         msg.finish_reason = out.finish_reason or ""

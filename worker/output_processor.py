@@ -87,6 +87,7 @@ class OutputProcessor:
             num_cached_tokens=max(req.num_cached_tokens, 0),
             cached_tokens_by_tier=self.cached_by_tier(req),
             logprobs=list(req.logprobs) if req.params.logprobs else None,
+            top_logprobs=list(req.top_logprobs) if req.params.top_logprobs else None,
             stop_reason=req.stop_reason,
             ttft_s=(req.first_token_time - req.arrival_time) if req.first_token_time else None,
             error=req.error,

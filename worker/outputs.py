@@ -22,6 +22,8 @@ class RequestOutput:
     num_cached_tokens: int
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     logprobs: list[float] | None = None
+    # per output token, when asked: the most likely (token id, logprob), most likely first
+    top_logprobs: list[list[tuple[int, float]]] | None = None
     stop_reason: int | str | None = None
     ttft_s: float | None = None  # arrival to first token
     error: str | None = None  # why, when finish_reason is "error"

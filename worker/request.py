@@ -54,6 +54,7 @@ class Request:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.logprobs: list[float] = []
+        self.top_logprobs: list[list[tuple[int, float]]] = []  # per output token, if asked
         # the salt is mixed into the first page's hash, so it reaches every page's
         self.page_hashes: list[bytes] = hash_pages(
             self.all_token_ids, self.block_size, self.model_fp, cache_salt=self.params.cache_salt

@@ -18,6 +18,7 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_CACHE_SALT_CHARS = 1024
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 _INT64 = (-(2**63), 2**64)  # torch.Generator.manual_seed takes [-2**63, 2**64)
 _INT32_MAX = 2**31 - 1
 
@@ -43,7 +44,11 @@ class SamplingParams:
     and ``top_p=1`` disable those filters. ``seed`` makes a sampled request reproducible on
     its own, whatever it is batched with. ``logprobs=True`` returns the log-probability of
     each sampled token under the model's unmodified distribution (before temperature, top-k
-    and top-p).
+    and top-p); ``top_logprobs=k`` (with ``logprobs``, at most ``MAX_TOP_LOGPROBS``) also
+    the k most likely tokens at each position. ``min_tokens`` (vLLM's): EOS and
+    ``stop_token_ids`` cannot be sampled before that many output tokens (their logits are
+    masked, and the logprobs of those steps are under the masked distribution); stop strings
+    still end the output.
 
     ``cache_salt`` (vLLM's name and meaning) is mixed into the hash of the prompt's first
     page, so cached pages are shared only between requests with the same salt: a tenant's
@@ -61,6 +66,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0
+    min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = field(default=None, repr=False)  # a tenant secret: not in logs
@@ -115,6 +122,18 @@ class SamplingParams:
         bad = [t for t in self.stop_token_ids if not _is_int(t) or not 0 <= t <= _INT32_MAX]
         if bad:
             raise ValueError(f"stop_token_ids must be integers >= 0, got {bad[:5]}")
+        if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(
+                f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], "
+                f"got {self.top_logprobs!r}"
+            )
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=True")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                f"got {self.min_tokens!r}"
+            )
         for name in ("ignore_eos", "logprobs", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

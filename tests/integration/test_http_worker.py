@@ -238,6 +238,42 @@ def test_logprobs_equal_grpc(oai, grpc_client, tok):
     assert "".join(c.token for c in content) == chat.choices[0].message.content
 
 
+def test_top_logprobs(oai):
+    out = oai.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=3
+    )
+    lp = out.choices[0].logprobs
+    assert len(lp.top_logprobs) == len(lp.tokens) == 4
+    for tok_text, tok_lp, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 3  # two ids may decode to the same text
+        best = max(top.values())
+        assert top[tok_text] == pytest.approx(tok_lp) == pytest.approx(best)  # greedy
+    chat = oai.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2
+    )
+    for item in chat.choices[0].logprobs.content:
+        assert len(item.top_logprobs) == 2
+        assert item.top_logprobs[0].logprob == pytest.approx(item.logprob)
+        assert item.top_logprobs[0].token == item.token
+        assert item.top_logprobs[1].logprob <= item.top_logprobs[0].logprob
+
+
+def test_min_tokens_holds_eos_back(oai):
+    short = oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=64, temperature=0)
+    n = short.usage.completion_tokens
+    assert short.choices[0].finish_reason == "stop" and n < 60  # it ends on EOS
+    held = oai.chat.completions.create(
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=n + 12,
+        temperature=0,
+        extra_body={"min_tokens": n + 6},
+    )
+    assert held.usage.completion_tokens >= n + 6
+    # the first n - 1 tokens are the same: the mask only touches EOS and stop ids
+    assert held.choices[0].message.content.startswith(short.choices[0].message.content[:10])
+
+
 def test_stop(oai):
     full = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0)
     text = full.choices[0].text
@@ -303,6 +339,11 @@ def test_invalid_requests_are_400_in_openai_shape(base):
     assert err["param"] == "logit_bias" and err["type"] == "invalid_request_error"
     assert_error(post("/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 2}), 400, "top_p")
     assert_error(post("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}), 400, "n")
+    assert_error(post("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 21}), 400)
+    too_few = {"model": MODEL, "prompt": "x", "max_tokens": 2, "min_tokens": 3}
+    assert "min_tokens" in assert_error(post("/v1/completions", too_few), 400)["message"]
+    no_lp = {**chat, "top_logprobs": 2}
+    assert_error(post("/v1/chat/completions", no_lp), 400, "top_logprobs")
     img = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
     assert_error(
         post("/v1/chat/completions", {"model": MODEL, "messages": [img]}),
