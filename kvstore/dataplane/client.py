@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -101,6 +102,7 @@ class DataPlaneClient:
         self.max_object_bytes = max_object_bytes
         self.max_idle = max_idle
         self._idle: list[socket.socket] = []
+        self._verify_pool: ThreadPoolExecutor | None = None  # checks page MACs
         self._lock = threading.Lock()
         self._closed = False
 
@@ -128,8 +130,11 @@ class DataPlaneClient:
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
+            pool, self._verify_pool = self._verify_pool, None
         for sock in idle:
             sock.close()
+        if pool is not None:
+            pool.shutdown(wait=False)
 
     # ------------------------------------------------------------ internals
 
@@ -145,10 +150,10 @@ class DataPlaneClient:
         nonce = secrets.token_bytes(NONCE_BYTES)
         request = encode_request(self.token, part, self.key, nonce)
         head = bytearray(PAGE_HEAD.size)
-        mac = bytearray(MAC_BYTES)
         for attempt in range(2):
             sock, reused = self._checkout(deadline)
             answered = False
+            pending: list[tuple[int, memoryview, Future]] = []
             try:
                 send_all(sock, [request], deadline)
                 for i in range(len(part)):
@@ -167,22 +172,50 @@ class DataPlaneClient:
                         )
                     obj = arena.take(n, hint=n * (total - offset - i))
                     recv_into(sock, obj, deadline=deadline)
+                    mac = bytearray(MAC_BYTES)
                     recv_into(sock, memoryview(mac), deadline=deadline)
-                    want = page_mac(self.key, nonce, bytes(head), part[i], obj)
-                    if not hmac.compare_digest(want, bytes(mac)):
-                        raise DataPlaneError(
-                            f"page {offset + i}: wrong MAC (not sent by a member of this cluster)"
-                        )
-                    out.objects[offset + i] = obj
+                    # checked on the verifier thread while the next page arrives
+                    ok = self._verifier().submit(
+                        _mac_ok, self.key, nonce, bytes(head), part[i], obj, mac
+                    )
+                    pending.append((offset + i, obj, ok))
+                self._keep_verified(pending, out)
             except BaseException as e:
+                err: BaseException = e
+                try:  # what arrived whole and verified before the fault is kept
+                    self._keep_verified(pending, out)
+                except DataPlaneError as bad:
+                    err = bad
                 sock.close()
                 # an idle connection the server has closed since: once more on a fresh one
-                stale = reused and not answered and not isinstance(e, TimeoutError)
-                if attempt == 0 and stale and isinstance(e, OSError):
+                stale = reused and not answered and not isinstance(err, TimeoutError)
+                if attempt == 0 and stale and isinstance(err, OSError):
                     continue
-                raise
+                raise err from None  # e itself, or the bad MAC found while draining
+            finally:
+                pending.clear()  # no reference to receive memory outlives the call
             self._checkin(sock)
             return
+
+    def _verifier(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._verify_pool is None:
+                self._verify_pool = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-dp-verify")
+            return self._verify_pool
+
+    @staticmethod
+    def _keep_verified(pending: list[tuple[int, memoryview, Future]], out: DataPlaneFetch) -> None:
+        """Move the pages whose MACs verified into ``out``, in order, up to the first that
+        did not (a ``DataPlaneError``: that page and the rest are dropped)."""
+        try:
+            for index, obj, ok in pending:
+                if not ok.result():
+                    raise DataPlaneError(
+                        f"page {index}: wrong MAC (not sent by a member of this cluster)"
+                    )
+                out.objects[index] = obj
+        finally:
+            pending.clear()
 
     def _checkout(self, deadline: float) -> tuple[socket.socket, bool]:
         while True:
@@ -218,6 +251,10 @@ class DataPlaneClient:
                 self._idle.append(sock)
                 return
         sock.close()
+
+
+def _mac_ok(key: bytes, nonce: bytes, head: bytes, page_hash: bytes, obj, mac) -> bool:
+    return hmac.compare_digest(page_mac(key, nonce, head, page_hash, obj), bytes(mac))
 
 
 def detached(e: _E) -> _E:

@@ -303,23 +303,23 @@ class DataPlaneServer:
         ahead: Future | None = None
         misses = bytearray()  # headers of misses, sent with the next object or at the end
         try:
-            for k, (start, batch) in enumerate(zip(starts, batches)):
-                objs = ahead.result() if ahead is not None else self._fetch(batch)
+            for k, start in enumerate(starts):
+                frames = (
+                    ahead.result() if ahead is not None else self._frames(batches[k], start, nonce)
+                )
                 ahead = None
                 if k + 1 < len(batches):
-                    try:
-                        ahead = prefetch.submit(self._fetch, batches[k + 1])
-                    except RuntimeError:  # no thread for it: the next batch is fetched inline
+                    nxt = (batches[k + 1], starts[k + 1], nonce)
+                    try:  # fetched and MAC'd while this batch is sent
+                        ahead = prefetch.submit(self._frames, *nxt)
+                    except RuntimeError:  # no thread for it: the next batch is done inline
                         ahead = None
-                for j, obj in enumerate(objs):
-                    if obj is None:
+                for j, frame in enumerate(frames):
+                    if frame is None:
                         misses += PAGE_HEAD.pack(start + j, MISS, 0)
                         continue
-                    body = memoryview(obj).cast("B")  # bytes, not items: the framed length
-                    page = PAGE_HEAD.pack(start + j, FOUND, body.nbytes)
-                    mac = page_mac(self.key, nonce, page, batch[j], body)
                     deadline = time.monotonic() + self.io_timeout_s
-                    send_all(sock, [misses, page, body, mac], deadline)
+                    send_all(sock, [misses, *frame], deadline)
                     misses = bytearray()
             if misses:
                 send_all(sock, [misses], time.monotonic() + self.io_timeout_s)
@@ -330,6 +330,19 @@ class DataPlaneServer:
                 self._busy -= 1
         with self._lock:
             conn.idle_since = time.monotonic()  # answered: waiting for the next request
+
+    def _frames(self, batch: list[bytes], start: int, nonce: bytes) -> list[tuple | None]:
+        """Each page of ``batch`` (request positions from ``start``) as what goes on the wire
+        after it: ``(page head, object, MAC)``, or None for a miss."""
+        frames: list[tuple | None] = []
+        for j, obj in enumerate(self._fetch(batch)):
+            if obj is None:
+                frames.append(None)
+                continue
+            body = memoryview(obj).cast("B")  # bytes, not items: the framed length
+            page = PAGE_HEAD.pack(start + j, FOUND, body.nbytes)
+            frames.append((page, body, page_mac(self.key, nonce, page, batch[j], body)))
+        return frames
 
     def _fetch(self, batch: list[bytes]) -> list[bytes | None]:
         if self.source is None:

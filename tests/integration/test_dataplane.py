@@ -674,3 +674,18 @@ def test_a_local_failure_in_the_data_plane_client_is_a_miss_not_an_exception(ser
         assert peer.metrics["errors"] == 1 and peer.metrics["misses"] == 2
     finally:
         peer.close()
+
+
+def test_a_page_whose_mac_is_wrong_is_refused():
+    """A server without the cluster's key (here one that answers blindly) cannot hand over
+    a page: a well-formed page with a MAC that is not the cluster's ends the fetch."""
+    obj = page(1)
+    fake = ScriptedServer(dp.PAGE_HEAD.pack(0, dp.FOUND, len(obj)) + obj + bytes(dp.MAC_BYTES))
+    client = dp.DataPlaneClient("127.0.0.1", fake.port, bytes(dp.TOKEN_BYTES), key=KEY)
+    try:
+        res = client.fetch([h(1)], timeout=10)
+    finally:
+        client.close()
+        fake.close()
+    assert isinstance(res.error, dp.DataPlaneError) and "MAC" in str(res.error)
+    assert res.objects == {} and not res.may_retry_elsewhere
