@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
-import time
 
 import pytest
-from helpers import text_prompts
+from helpers import text_prompts, wait_until
 
 from kvmesh.kvstore.redis_tier import redis_key
 from kvmesh.worker import LLM, SamplingParams
@@ -186,24 +184,42 @@ def test_corrupt_redis_object_is_a_miss_and_is_deleted(
 def test_redis_killed_mid_run_and_restarted(redis_engine, redis_server_module, prompts, reference):
     keys = _spill_to_redis(redis_engine, prompts[6])
     assert keys
-    stopper = threading.Timer(0.3, redis_server_module.stop)
-    stopper.start()
-    try:  # a batch in flight while Redis dies: lookups turn into misses, spills are skipped
-        outs = redis_engine.generate([prompts[6], prompts[4], prompts[5]], GREEDY)
-    finally:
-        stopper.join()
-    assert [o.token_ids for o in outs] == [reference[6], reference[4], reference[5]]
+    eng = redis_engine.engine
+    redis_errors = lambda: eng.store_metrics()["tiers"]["redis"]["errors"]  # noqa: E731
+    errors_before = redis_errors()
+    # a batch runs; once it has produced tokens Redis dies, and then a request whose prefix
+    # only Redis held joins the running batch
+    final, produced = {}, False
+    ids = [eng.add_request(prompts[i], GREEDY) for i in (4, 5)]
+    while not produced:
+        outs = eng.step()
+        produced = bool(outs)
+        final.update((o.request_id, o) for o in outs if o.finished)
+    running = [r for r in ids if r not in final]
+    redis_server_module.stop()
+    ids.append(eng.add_request(prompts[6], GREEDY))
+    while eng.has_unfinished_requests():
+        final.update((o.request_id, o) for o in eng.step() if o.finished)
+    outs = [final[r] for r in ids]
+    assert running, "Redis was to die while the batch was running"
+    # lookups turned into misses and spills were skipped; no request failed or changed
+    assert [o.token_ids for o in outs] == [reference[4], reference[5], reference[6]]
+    assert all(o.finish_reason == "length" for o in outs)
+    assert outs[2].cached_tokens_by_tier["redis"] == 0  # its pages were in the dead Redis
+    assert redis_errors() > errors_before  # the batch did meet the dead server
     redis_engine.reset_prefix_cache()
     out, _ = _run(redis_engine, prompts[6])
     assert out.token_ids == reference[6]
     assert out.cached_tokens_by_tier["redis"] == 0
-    assert redis_engine.engine.store_metrics()["tiers"]["redis"]["errors"] >= 1
     redis_server_module.start()  # empty: no persistence
-    time.sleep(4.5)  # past the tier's longest backoff
-    keys = _spill_to_redis(redis_engine, prompts[6])
-    out, _ = _run(redis_engine, prompts[6])
-    assert out.token_ids == reference[6]
-    assert out.cached_tokens_by_tier["redis"] >= 256  # Redis serves again
+
+    def redis_serves_again() -> bool:  # once the tier's backoff has passed
+        _spill_to_redis(redis_engine, prompts[6])
+        out, _ = _run(redis_engine, prompts[6])
+        assert out.token_ids == reference[6]
+        return out.cached_tokens_by_tier["redis"] >= 256
+
+    assert wait_until(redis_serves_again, timeout=30, every=0.5)
 
 
 def test_tiny_maxmemory_evicting_keys_is_a_miss(
