@@ -12,13 +12,14 @@ requests, one after the other. A request with a wrong magic, version or token, t
 hashes, a wrong MAC, or bytes that are not a request closes the connection.
 
 Authentication: ``key`` is derived from the cluster secret
-(``protos.security.ClusterIdentity.data_plane_key``); it never travels. The request MAC is
-HMAC-SHA256(key, head | hashes), so only a cluster member can ask for pages (the token,
-learnt over the authenticated ``KVTransfer.DataPlane`` RPC, only ties a client to one
-server start). Each found page's MAC is HMAC-SHA256(key, "page" | nonce | page head | hash |
-object), so the client accepts only objects a member sent for this very request (the nonce
-is the client's, fresh per request: a recorded answer cannot be replayed). The bytes are
-not encrypted.
+(``protos.security.ClusterIdentity.data_plane_key``); it never travels. MACs are keyed
+BLAKE3 (32 bytes; a keyed hash designed as a MAC, about 3x HMAC-SHA256's speed on the dev
+VM, which matters at a page's 737 KB). The request MAC is BLAKE3(key, "request" | head |
+hashes), so only a cluster member can ask for pages (the token, learnt over the
+authenticated ``KVTransfer.DataPlane`` RPC, only ties a client to one server start). Each
+found page's MAC is BLAKE3(key, "page" | nonce | page head | hash | object), so the client
+accepts only objects a member sent for this very request (the nonce is the client's, fresh
+per request: a recorded answer cannot be replayed). The bytes are not encrypted.
 
 Integrity: objects are length-framed, so a truncated one never completes (a miss); TCP's
 checksums cover the bytes on the wire; and, as for pages that came through ``Fetch``, the
@@ -32,13 +33,15 @@ import hmac
 import struct
 from collections.abc import Sequence
 
+from blake3 import blake3
+
 from kvmesh.kvstore.hashing import PAGE_HASH_BYTES
 
 MAGIC = b"KVDP"
 VERSION = 2
 TOKEN_BYTES = 16
 NONCE_BYTES = 16
-MAC_BYTES = 32  # HMAC-SHA256
+MAC_BYTES = 32  # keyed BLAKE3
 KEY_BYTES = 32
 MAX_REQUEST_PAGES = 1 << 16  # 1 MiB of hashes: the most one request may name
 MAX_OBJECT_BYTES = 1 << 30  # a client refuses an object claiming more than this
@@ -67,19 +70,24 @@ def encode_request(token: bytes, hashes: Sequence[bytes], key: bytes, nonce: byt
             raise DataPlaneError(f"page hashes are {PAGE_HASH_BYTES} bytes, got {len(h)}")
     head = REQUEST_HEAD.pack(MAGIC, VERSION, 0, token, len(hashes), nonce)
     body = b"".join((head, *hashes))
-    return body + hmac.digest(key, body, "sha256")
+    return body + request_mac(key, head, body[len(head) :])
+
+
+def request_mac(key: bytes, head: bytes | bytearray, raw_hashes: bytes | bytearray) -> bytes:
+    m = blake3(b"request", key=key)
+    m.update(head)
+    m.update(raw_hashes)
+    return m.digest()
 
 
 def request_mac_ok(key: bytes, head: bytes | bytearray, raw_hashes: bytes | bytearray, mac) -> bool:
     """Whether a request's MAC is right (constant-time)."""
-    want = hmac.new(key, bytes(head), "sha256")
-    want.update(raw_hashes)
-    return hmac.compare_digest(want.digest(), bytes(mac))
+    return hmac.compare_digest(request_mac(key, head, raw_hashes), bytes(mac))
 
 
 def page_mac(key: bytes, nonce: bytes, page_head: bytes, page_hash: bytes, obj) -> bytes:
     """The MAC of one found page of the answer to the request with ``nonce``."""
-    m = hmac.new(key, b"".join((b"page", nonce, page_head, page_hash)), "sha256")
+    m = blake3(b"".join((b"page", nonce, page_head, page_hash)), key=key)
     m.update(obj)
     return m.digest()
 
