@@ -11,8 +11,8 @@ docs/grpc.md, "Data plane").
 - ``memory``: the reused receive mappings the client receives objects into;
 - ``sockets``: deadlines, scatter sends and receives on blocking sockets.
 
-Requests and pages are authenticated with a key derived from the cluster secret (HMAC-
-SHA256, ``protocol``): only a cluster member gets pages, and a client accepts only pages a
+Requests and pages are authenticated with a key derived from the cluster secret (keyed
+BLAKE3, ``protocol``): only a cluster member gets pages, and a client accepts only pages a
 member sent for its request. The bytes are not encrypted; that is why a worker whose gRPC
 port uses TLS runs no data plane unless told to (docs/security.md).
 """
