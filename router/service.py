@@ -223,6 +223,11 @@ class RouterServer:
     ) -> None:
         if default_deadline_s is not None and not default_deadline_s > 0:
             raise ValueError(f"default_deadline_s must be > 0 or None, got {default_deadline_s}")
+        if tokens is not None and http_port is not None:  # fail closed, not open
+            raise ValueError(
+                "the HTTP API does not check bearer tokens yet: a token file and an HTTP port "
+                "cannot be combined (the HTTP port would be open to anyone)"
+            )
         self.identity = identity
         self.tokens = tokens
         self.tls = tls
