@@ -106,18 +106,21 @@ def test_batched_int8_matches_fake_quantized_transformers(hf_smol, prompts):
         assert out.token_ids == _hf_fake_quant_greedy(hf_smol, "int8", p, GREEDY.max_tokens, 4096)
 
 
-def test_attention_reads_the_quantized_pages(prompts):
-    llm = LLM("smollm2-135m-instruct", kv_cache_dtype="int4", kv_cache_memory="64MiB")
+@pytest.mark.parametrize("fmt, stored", [("int8", torch.int8), ("int4", torch.uint8)])
+def test_attention_reads_the_quantized_pages(prompts, fmt, stored):
+    """The control for the end-to-end tests above: the tokens they compare come from the
+    quantized pages (spoil the cached pages' value scales and a hit's tokens change)."""
+    llm = LLM("smollm2-135m-instruct", kv_cache_dtype=fmt, kv_cache_memory="64MiB")
     eng = llm.engine
     prompt = prompts[1]
     cold = llm.generate([prompt], GREEDY)[0]
-    hit = llm.generate([prompt], GREEDY)[0]  # 96 tokens served by the cached int4 pages
+    hit = llm.generate([prompt], GREEDY)[0]  # 96 tokens served by the cached quantized pages
     assert hit.num_cached_tokens == 96 and hit.token_ids == cold.token_ids
     # zero the value scales of the cached pages: a hit must now give other tokens
     req = eng.make_request(prompt)
     pages = torch.tensor(eng.kv.cached_page_ids(req.page_hashes))
     for layer in eng.memory.layer_caches:
-        assert layer.views["v"].dtype == torch.uint8  # packed nibbles, not floats
+        assert layer.views["v"].dtype == stored  # int8 codes or packed nibbles, not floats
         layer.views["v_scale"][pages] = 0
     broken = llm.generate([prompt], GREEDY)[0]
     assert broken.num_cached_tokens == 96
