@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import random
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +29,9 @@ from kvmesh.protos.kvmesh.v1 import inference_pb2 as ipb
 from kvmesh.protos.kvmesh.v1 import inference_pb2_grpc as ipb_grpc
 from kvmesh.router.core import RouterCore
 from kvmesh.router.service import RouterServer
-from kvmesh.worker import LLMEngine
+from kvmesh.worker import LLMEngine, SamplingParams, async_engine
+from kvmesh.worker.engine import QueueFullError
+from kvmesh.worker.request import RequestStatus
 from kvmesh.worker.server import WorkerServer
 
 MODEL = "smollm2-135m-instruct"
@@ -412,6 +415,108 @@ def test_hostile_requests_are_all_answered_and_the_worker_stays_correct(
             got = c.generate_text(prompt, **GREEDY)
             assert got.token_ids == want and got.finish_reason == "length"
     assert router.core.retries == 0  # no request made the router give up on the worker
+
+
+# ---------------------------------------------------------------- bounded queues
+
+
+@contextlib.contextmanager
+def engine_thread_busy(aeng):
+    """Keep the engine thread inside one ``call`` until the block ends: what reaches it
+    meanwhile waits in its command queue."""
+    gate, entered = threading.Event(), threading.Event()
+
+    def hold(engine):
+        entered.set()
+        gate.wait(120)
+
+    t = threading.Thread(target=aeng.call, args=(hold, 180))
+    t.start()
+    try:
+        assert entered.wait(60)
+        yield
+    finally:
+        gate.set()
+        t.join(60)
+
+
+@contextlib.contextmanager
+def max_waiting(engine, n: int):
+    cfg = engine.scheduler_config
+    engine.scheduler_config = dataclasses.replace(cfg, max_waiting=n)
+    try:
+        yield
+    finally:
+        engine.scheduler_config = cfg
+
+
+def test_requests_not_yet_queued_count_against_max_waiting(worker):
+    aeng = worker.engine
+    params = SamplingParams(temperature=0, max_tokens=1)
+
+    async def one(i):
+        try:
+            return [o async for o in aeng.generate("Hi", params, f"burst-{i}")][-1]
+        except QueueFullError as e:
+            return e
+
+    async def until_refused(tasks, n):
+        for _ in range(1000):
+            if sum(t.done() for t in tasks) >= n:
+                return
+            await asyncio.sleep(0.01)
+
+    loop = asyncio.new_event_loop()
+    try:
+        with max_waiting(aeng.engine, 3):
+            with engine_thread_busy(aeng):  # the adds pile up in the command queue
+                tasks = [loop.create_task(one(i)) for i in range(6)]
+                loop.run_until_complete(until_refused(tasks, 3))
+                # refused at once, while nothing had reached the engine's own queue
+                refused = [t.result() for t in tasks if t.done()]
+            results = loop.run_until_complete(asyncio.gather(*tasks))
+    finally:
+        loop.close()
+    assert len(refused) == 3 and all(isinstance(r, QueueFullError) for r in refused)
+    assert "queue is full (3 requests)" in str(refused[0])
+    done = [r for r in results if not isinstance(r, BaseException)]
+    assert len(done) == 3 and all(o.finish_reason == "length" for o in done)
+    _assert_healthy(worker)
+
+
+def test_requests_waiting_for_a_promotion_count_against_max_waiting(worker):
+    def check(engine):
+        # two requests whose prefix a tier is promoting: they wait in the queue, passed over
+        parked = [engine.make_request([1, 2, 3], request_id=f"promoting-{i}") for i in range(2)]
+        for r in parked:
+            r.status = RequestStatus.PROMOTING
+            engine.scheduler.waiting.append(r)
+        try:
+            engine.add(engine.make_request([4, 5, 6], request_id="one-too-many"))
+        except QueueFullError as e:
+            return str(e)
+        finally:
+            for r in parked:
+                engine.scheduler.waiting.remove(r)
+        engine.abort_request("one-too-many")
+        return None
+
+    with max_waiting(worker.engine.engine, 2):
+        refused = worker.engine.call(check)
+    assert refused is not None and "queue is full" in refused
+
+
+def test_calls_waiting_for_the_engine_thread_are_bounded(worker, monkeypatch):
+    aeng = worker.engine
+    monkeypatch.setattr(async_engine, "MAX_PENDING_CALLS", 1)
+    with engine_thread_busy(aeng):
+        queued = threading.Thread(target=aeng.call, args=(LLMEngine.stats, 60))
+        queued.start()
+        assert wait_until(lambda: aeng._pending_calls == 1, timeout=30)
+        with pytest.raises(QueueFullError, match="calls already wait"):
+            aeng.call(LLMEngine.stats)
+    queued.join(60)
+    assert aeng.call(LLMEngine.stats).num_requests_running == 0  # answered again
 
 
 # ---------------------------------------------------------------- a dead engine
