@@ -19,7 +19,8 @@ Two workloads, each run on every target:
 Per target and workload: output tokens/s over the whole run, TTFT p50/p99 (request sent ->
 first token), inter-token latency p50/p99 (gaps between streamed chunks), cached prompt
 tokens. ``probe``: ``--probe`` requests one at a time (no load) of 1 token, HTTP and gRPC, for
-the latency the front door itself adds. The servers run as subprocesses, the load generator
+the latency the front door itself adds (for HTTP also with a bare httpx client, which shows
+how much of it is the openai client's own). The servers run as subprocesses, the load generator
 here: on a 2-core machine they share the CPUs, the same way for every target.
 
 Prints one JSON object on stdout; progress goes to stderr.
@@ -117,7 +118,7 @@ class Record:
         self.ttft: float | None = None
         self.gaps: list[float] = []
         self.tokens = 0
-        self.cached = 0
+        self.cached: int | None = 0
         self.text = ""
 
 
@@ -142,7 +143,8 @@ async def openai_one(client, model: str, req: dict, max_tokens: int) -> Record:
         if ch.usage is not None:
             rec.tokens = ch.usage.completion_tokens
             details = ch.usage.prompt_tokens_details
-            rec.cached = (details.cached_tokens or 0) if details else 0
+            # None: the server did not report it (vLLM without --enable-prompt-tokens-details)
+            rec.cached = details.cached_tokens if details else None
         if not ch.choices:
             continue
         c = ch.choices[0]
@@ -180,6 +182,22 @@ async def grpc_one(client, model: str, req: dict, max_tokens: int) -> Record:
     return rec
 
 
+async def raw_probe(base: str, model: str, n: int) -> float:
+    import httpx
+
+    body = {"model": model, "prompt": [7, 8, 9, 10, 11, 12], "max_tokens": 1, "stream": True}
+    ttfts = []
+    async with httpx.AsyncClient(base_url=base, timeout=600) as c:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            async with c.stream("POST", "/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        ttfts.append(time.perf_counter() - t0)
+                        break
+    return round(statistics.median(ttfts) * 1000, 2)
+
+
 async def drive(one, client, model: str, reqs: list[dict], concurrency: int, max_tokens: int):
     sem = asyncio.Semaphore(concurrency)
 
@@ -209,7 +227,9 @@ def summarize(elapsed: float, recs: list[Record]) -> dict:
         "ttft_p99_ms": ms(percentile(ttfts, 99)),
         "itl_p50_ms": ms(percentile(gaps, 50)),
         "itl_p99_ms": ms(percentile(gaps, 99)),
-        "cached_prompt_tokens": sum(r.cached for r in recs),
+        "cached_prompt_tokens": None
+        if any(r.cached is None for r in recs)
+        else sum(r.cached for r in recs),
     }
 
 
@@ -253,6 +273,10 @@ async def run_target(kind: str, address: str, model: str, workloads: dict, args)
                 _, (rec,) = await drive(one, client, model, [probe], 1, 1)
                 ttfts.append(rec.ttft)
             results["probe_ttft_p50_ms"] = round(statistics.median(ttfts) * 1000, 2)
+        if args.probe and kind == "http":
+            # the same probe with a bare httpx stream: the server's share, without the
+            # openai client's request building and chunk parsing
+            results["probe_raw_httpx_ttft_p50_ms"] = await raw_probe(address, model, args.probe)
     return results, texts
 
 
@@ -319,7 +343,7 @@ def vllm_server(args, tmp: Path, model_dir: Path, model: str):
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048"]
     cmd += ["--enable-prefix-caching", "--max-num-seqs", str(args.max_num_seqs)]
     cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens), "--seed", "0"]
-    cmd += ["--disable-log-stats"]
+    cmd += ["--disable-log-stats", "--enable-prompt-tokens-details"]  # cached tokens in usage
     env = dict(os.environ)
     # the same KV budget as kvmesh's --kv-cache-memory, in GiB
     env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(parse_gib(args.kv_cache_memory))))

@@ -62,6 +62,13 @@ def engine_stats(server):
     return server.engine.call(E.stats)
 
 
+def aborted(server) -> float:
+    """The engine's count of requests finished as aborted (its Prometheus counter)."""
+    m = server.engine.engine.metrics
+    labels = {**m.labels, "finished_reason": "abort"}
+    return m.registry.get_sample_value("kvmesh:request_success_total", labels)
+
+
 def idle(server, free_pages: int) -> bool:
     s = engine_stats(server)
     return (
@@ -379,6 +386,7 @@ def test_client_disconnect_aborts_the_request(base, server):
     its pages at once: the engine stops computing its tokens (it asked for 2000)."""
     free = engine_stats(server).num_free_pages
     before = engine_stats(server).tokens_computed
+    n_aborted = aborted(server)
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True}
     with httpx.stream(
         "POST", base + "/v1/completions", json={**body, "stream": True}, timeout=60
@@ -389,12 +397,14 @@ def test_client_disconnect_aborts_the_request(base, server):
         assert any(g.startswith("data: {") for g in got)
     assert wait_until(lambda: idle(server, free), timeout=30)
     assert engine_stats(server).tokens_computed - before < 1000
+    assert aborted(server) == n_aborted + 1
 
     before = engine_stats(server).tokens_computed
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(base + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
     assert wait_until(lambda: idle(server, free), timeout=30)
     assert engine_stats(server).tokens_computed - before < 1000
+    assert aborted(server) == n_aborted + 2
 
 
 # ---------------------------------------------------------------- a full queue, a dead engine
