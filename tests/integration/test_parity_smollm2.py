@@ -1,5 +1,6 @@
 """Greedy outputs equal transformers', token for token, in fp32, on the real SmolLM2 weights."""
 
+import torch
 from helpers import hf_greedy, text_prompts
 
 from kvmesh.worker import SamplingParams
@@ -13,10 +14,32 @@ def test_continuous_batch_with_chunked_prefill_matches_transformers(smol_llm, hf
     engine = smol_llm.engine
     steps_before = engine.runner.tokens_computed
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    outs = smol_llm.generate(prompts, params)
+    steps: list[list[tuple[int, int, int]]] = []  # per step: (prompt length, computed, new)
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        steps.append([(r.num_prompt_tokens, r.num_computed_tokens, n) for r, n in out.scheduled])
+        return out
+
+    engine.scheduler.schedule = recording_schedule
+    try:
+        outs = smol_llm.generate(prompts, params)
+    finally:
+        del engine.scheduler.schedule
     # 8 prompts, 1,626 prompt tokens, 64 tokens a step: prefill really was chunked
     assert engine.scheduler_config.max_num_batched_tokens == 64
     assert engine.runner.tokens_computed - steps_before >= sum(LENGTHS)
+    assert all(sum(n for *_, n in step) <= 64 for step in steps)
+    # the 600-token prompt's prefill (what the cache did not hold) came in chunks of <= 64
+    chunks_600 = [n for step in steps for p, done, n in step if p == 600 and done < 600]
+    assert sum(chunks_600) == 600 - outs[-1].num_cached_tokens
+    assert len(chunks_600) >= -(-sum(chunks_600) // 64) >= 9
+    # and some step decoded one request while prefilling another: one continuous batch
+    assert any(
+        any(done >= p for p, done, _ in step) and any(done + n < p for p, done, n in step)
+        for step in steps
+    )
     for ids, out in zip(prompts, outs):
         assert out.finish_reason == "length"
         assert out.token_ids == hf_greedy(hf_smol, ids, NEW_TOKENS), f"prompt of {len(ids)} tokens"
@@ -28,10 +51,11 @@ def test_chat_prompt_text_matches_transformers(smol_llm, hf_smol):
     out = smol_llm.generate(text, SamplingParams(temperature=0, max_tokens=32))[0]
     ref = hf_greedy(hf_smol, tok.encode(text), 32, ignore_eos=False)
     eos = tok.eos_token_id
-    expected = ref[: ref.index(eos) + 1] if eos in ref else ref
-    assert out.token_ids == expected
+    # the reference answer is short: the engine must stop at its EOS, not run to 32 tokens
+    assert eos in ref, "transformers' answer should end with EOS within 32 tokens"
+    assert out.token_ids == ref[: ref.index(eos) + 1]
     assert "Paris" in out.text
-    assert out.finish_reason == ("stop" if eos in ref else "length")
+    assert out.finish_reason == "stop" and out.stop_reason == eos
 
 
 def test_hugging_face_folder_loads_same_model_as_gguf(tmp_path, smol_llm, hf_smol):
@@ -68,7 +92,17 @@ def test_half_precision_models_and_caches_run(smol_llm):
     tok = smol_llm.tokenizer
     text = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     params = SamplingParams(temperature=0, max_tokens=8)
-    for kwargs in (dict(dtype="bfloat16"), dict(dtype="float16"), dict(kv_cache_dtype="fp16")):
+    cases = [  # (engine args, weights' dtype, cache format and its stored dtype)
+        (dict(dtype="bfloat16"), torch.bfloat16, "bf16", torch.bfloat16),
+        (dict(dtype="float16"), torch.float16, "fp16", torch.float16),
+        (dict(kv_cache_dtype="fp16"), torch.float32, "fp16", torch.float16),
+    ]
+    for kwargs, weights, fmt, stored in cases:
         llm = LLM("smollm2-135m-instruct", kv_cache_memory="32MiB", **kwargs)
+        eng = llm.engine
+        # the format took effect: the weights, the cache the engine reports, the pages
+        assert {p.dtype for p in eng.model.parameters()} == {weights}, kwargs
+        assert eng.cache_format == fmt == eng.stats().kv_cache_dtype, kwargs
+        assert {v.dtype for v in eng.memory.layer_caches[0].views.values()} == {stored}, kwargs
         out = llm.generate(text, params)[0]
         assert "Paris" in out.text, (kwargs, out.text)
