@@ -485,6 +485,12 @@ class RouterServer:
         self._loop = asyncio.get_running_loop()
         if self.http is not None:
             await self.http.start()
+            if self.tokens or (self.tls is not None and self.tls.serves):
+                logger.warning(
+                    "the HTTP API on port %d has neither the gRPC port's tokens nor TLS: "
+                    "expose it to trusted clients only",
+                    self.http.port,
+                )
         self._stopped = asyncio.Event()
         self._tasks.append(asyncio.ensure_future(self._housekeeping()))
         logger.info("router %s serving on %s:%d", self.core.router_id, self.host, port)

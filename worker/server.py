@@ -216,6 +216,12 @@ class WorkerServer:
         self._stopped = asyncio.Event()
         if self.http is not None:
             await self.http.start()
+            if self.tokens or self.server_credentials is not None:
+                logger.warning(
+                    "the HTTP API on port %d has neither the gRPC port's tokens nor TLS: "
+                    "expose it to trusted clients only",
+                    self.http.port,
+                )
         if self.engine is not None:
             self._watch_engine()
         services, where = ", ".join(names), f"{self.host}:{port}"
