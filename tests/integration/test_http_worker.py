@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import httpx
 import openai
@@ -464,3 +465,33 @@ def test_full_queue_429_then_dead_engine_503(tiny):
     assert int(r.headers["retry-after"]) >= 1
     r = httpx.post(base + "/v1/completions", json={**long, "max_tokens": 2}, timeout=10)
     assert "crashed" in assert_error(r, 503)["message"]
+
+
+def test_a_drain_finishes_http_streams_and_refuses_new_requests(smol_src):
+    """SIGTERM's drain: a stream already running gets its grace and ends whole; a new
+    request meanwhile is refused with 503."""
+    srv = WorkerServer(
+        LLMEngine(MODEL, kv_cache_memory="64MiB"), http_port=0, data_plane=False, grace_s=60
+    )
+    srv.start_in_thread()
+    base = f"http://127.0.0.1:{srv.http.port}"
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 40, "ignore_eos": True}
+    stopper = threading.Thread(target=srv.stop_in_thread, kwargs={"grace": 60, "timeout": 120})
+    try:
+        with httpx.stream(
+            "POST", base + "/v1/completions", json={**body, "stream": True}, timeout=120
+        ) as r:
+            lines = r.iter_lines()
+            assert next(ln for ln in lines if ln).startswith("data: {")
+            stopper.start()
+            assert wait_until(lambda: srv._life.draining, timeout=10)
+            refused = httpx.post(base + "/v1/completions", json=body, timeout=30)
+            rest = [ln for ln in lines if ln]
+        assert_error(refused, 503)
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
+        stopper.join(120)
+        assert not stopper.is_alive()
+    finally:
+        if not stopper.is_alive() and not stopper.ident:
+            srv.stop_in_thread(grace=0)
