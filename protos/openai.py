@@ -80,7 +80,8 @@ class APIError(Exception):
 
     @property
     def type(self) -> str:
-        return _ERROR_TYPES.get(self.status, "server_error")
+        default = "invalid_request_error" if self.status < 500 else "server_error"
+        return _ERROR_TYPES.get(self.status, default)
 
     def body(self) -> dict:
         return ErrorResponse(

@@ -204,6 +204,8 @@ def test_unknown_model_path_and_fields(client, caplog):
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     r = client.get("/v1/nothing")
     assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    r = client.get("/v1/completions")
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
     with caplog.at_level("WARNING", logger="kvmesh.http"):
         r = client.post("/v1/completions", json={"model": "m", "prompt": "x", "frobnicate": 1})
     assert r.status_code == 200 and "frobnicate" in caplog.text
