@@ -27,6 +27,7 @@ MODEL = "smollm2-135m-instruct"
 ENGINE_ARGS = dict(kv_cache_memory="96MiB", max_num_batched_tokens=512, max_num_seqs=8)
 GREEDY = dict(temperature=0, max_tokens=16, ignore_eos=True)
 SHORT = dict(temperature=0, max_tokens=2, ignore_eos=True)
+_NO_STOP = dict(temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +177,21 @@ def test_a_client_that_leaves_aborts_its_request_on_the_worker(cluster, client):
         ),
         timeout=15,
     )
+
+
+def test_abort_through_the_router_ends_the_stream_with_abort(cluster, client):
+    chunks = []
+    for c in client.generate(
+        "Count to a thousand:", request_id="abort-via-router", max_tokens=400, **_NO_STOP
+    ):
+        chunks.append(c)
+        if len(chunks) == 3:
+            assert client.abort("abort-via-router") is True  # the router asks its worker
+    last = chunks[-1]
+    assert last.finished and last.finish_reason == "abort"
+    n = sum(len(c.token_ids) for c in chunks)
+    assert 3 <= n < 400 and last.usage.completion_tokens == n
+    assert client.abort("abort-via-router") is False  # gone from the router and the worker
 
 
 def test_a_restarted_worker_rejoins_with_an_empty_index(cluster, client):
