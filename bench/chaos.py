@@ -2,7 +2,9 @@
 
 The cluster is what ``kvmesh serve --workers 2 --redis-url ...`` starts (``Cluster.start`` on
 a local Ray, the router on loopback), with a real ``redis-server`` on a free loopback port
-and KV pools small enough that pages spill through a small host tier into Redis. Two phases
+and KV pools small enough that pages spill through a small host tier into Redis. The
+workers bind to the Ray node's address (``addresses`` in the JSON says which): on one
+machine that is a local interface, but not necessarily 127.0.0.1. Two phases
 run the same prompts (shared prefixes, greedy, a few tokens each) with ``--concurrency``
 client streams in flight:
 
@@ -20,7 +22,8 @@ stopped). Targets (issue 15): 0 wrong, 0 hung, 0 failed before the first token (
 the router retry those), failures after the first token only for streams on the killed
 worker.
 
-Prints one JSON object.
+Prints one JSON object (Ray's raylet may print a line about the killed worker before it;
+``--output`` also writes the object to a file).
 
     .venv/bin/python bench/chaos.py [--duration 90] [--concurrency 4]
 """
@@ -329,17 +332,19 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--duration", type=float, default=90.0, help="seconds of chaos load")
     p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--prefixes", type=int, default=6)
-    p.add_argument("--per-prefix", type=int, default=4)
-    p.add_argument("--prefix-tokens", type=int, default=96)
+    # 12 prefixes of 10 pages: more than the two device pools hold, so pages spill to Redis
+    p.add_argument("--prefixes", type=int, default=12)
+    p.add_argument("--per-prefix", type=int, default=2)
+    p.add_argument("--prefix-tokens", type=int, default=160)
     p.add_argument("--tail-tokens", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=8)
-    p.add_argument("--kv-cache-memory", default="24MiB", help="per worker (~500 tokens)")
+    p.add_argument("--kv-cache-memory", default="24MiB", help="per worker (34 pages)")
     p.add_argument("--host-cache-memory", default="4MiB", help="per worker: spills reach Redis")
     p.add_argument("--request-timeout", type=float, default=120.0)
     p.add_argument("--grace", type=float, default=60.0, help="after the load stops")
     p.add_argument("--flood", type=int, default=200, help="invalid requests in the flood")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", default=None, help="also write the JSON object here")
     a = p.parse_args(argv)
 
     import ray
@@ -397,6 +402,11 @@ def main(argv: list[str] | None = None) -> int:
             kill_t: list[float] = []
             workers = cluster.stats()["workers"]
             victim_addr = next(iter(workers.values()))["address"]
+            out["addresses"] = {
+                "router": cluster.endpoint,
+                "workers": [w["address"] for w in workers.values()],
+                "redis": redis.url,
+            }
 
             def timeline() -> None:
                 t_start = time.monotonic()
@@ -449,7 +459,10 @@ def main(argv: list[str] | None = None) -> int:
         == c.get("failed_after_first_token_in_flight_at_the_kill"),
     }
     out["machine"] = machine_info()
-    print(json.dumps(out, indent=2))
+    text = json.dumps(out, indent=2)
+    if a.output:
+        Path(a.output).write_text(text + "\n")
+    print(text)
     return 0
 
 
