@@ -241,6 +241,14 @@ class RouterServer:
             raise ValueError(f"max_message_mb must be >= 1, got {max_message_mb}")
         if metrics_port is not None and not 0 <= metrics_port < 65536:
             raise ValueError(f"metrics_port must be in [0, 65535], got {metrics_port}")
+        if prometheus_sd_file:
+            import os
+
+            folder = os.path.dirname(os.path.abspath(prometheus_sd_file))
+            if not os.path.isdir(folder):
+                raise ValueError(
+                    f"prometheus_sd_file {prometheus_sd_file!r}: no such directory {folder!r}"
+                )
         self.core = core
         self.tokenize = tokenize
         self.host, self.port = host, port

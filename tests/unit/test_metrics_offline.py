@@ -199,3 +199,22 @@ def test_cli_metrics_flags():
         ClusterConfig(prometheus_sd_file="/tmp/sd.json")
     with pytest.raises(ValueError, match="metrics_port"):
         ClusterConfig(metrics_port=70000)
+
+
+def test_router_server_checks_the_discovery_file_folder(tmp_path):
+    from kvmesh.router.service import RouterServer
+
+    with pytest.raises(ValueError, match="prometheus_sd_file .*no such directory"):
+        RouterServer(RouterCore(), prometheus_sd_file=str(tmp_path / "nope" / "sd.json"))
+    srv = RouterServer(RouterCore(), metrics_port=0, prometheus_sd_file=str(tmp_path / "sd.json"))
+    srv.start_in_thread()
+    try:
+        core = srv.core
+        srv.call(core.register, _info("a", [], metrics_address="10.0.0.1:9000"))
+        srv.call(srv._write_sd_file)
+        groups = json.loads((tmp_path / "sd.json").read_text())
+        assert groups[0] == {"targets": [srv.metrics_address], "labels": {"kvmesh_role": "router"}}
+        assert groups[1]["targets"] == ["10.0.0.1:9000"]
+        assert groups[1]["labels"]["kvmesh_role"] == "worker"
+    finally:
+        srv.stop_in_thread(grace=0)
