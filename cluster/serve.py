@@ -84,11 +84,6 @@ class ClusterConfig:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         if self.http_port is not None and not 0 <= self.http_port < 65536:
             raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
-        if self.tokens is not None and self.http_port is not None:
-            raise ValueError(
-                "--token-file and --http-port cannot be combined yet: the HTTP API checks no "
-                "bearer token (docs/security.md)"
-            )
         if self.default_deadline_s is not None and not self.default_deadline_s > 0:
             raise ValueError(
                 f"default_deadline_s must be > 0 or None, got {self.default_deadline_s}"
@@ -424,7 +419,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
         st = cluster.stats()
         print(f"kvmesh serving on {cluster.endpoint}  (policy {st['policy']})", flush=True)
         if cfg.http_port is not None:
-            print(f"  OpenAI-compatible API: http://{cluster.http_endpoint}/v1", flush=True)
+            scheme = "https" if cfg.tls is not None and cfg.tls.serves else "http"
+            print(f"  OpenAI-compatible API: {scheme}://{cluster.http_endpoint}/v1", flush=True)
         if cfg.metrics_port is not None:
             print(f"  metrics on http://{cluster.metrics_address()}/metrics", flush=True)
         for wid, w in st["workers"].items():

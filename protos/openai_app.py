@@ -12,8 +12,14 @@ server-sent events (framed by FastAPI's ``format_sse_event``). Text prompts and 
 are tokenized here, once, with the model's tokenizer and chat template, so the router hashes
 the very tokens the worker computes and ``usage.prompt_tokens`` is exact.
 
+Before any endpoint, one ASGI guard (``_Guard``) checks the client's bearer token when the
+server has client tokens (every path but ``GET /health``, ``/metrics`` included: its counters
+tell whether someone sent a prefix) and refuses a body larger than the gRPC message limit
+before it is parsed.
+
 ``HttpServer`` serves an app with uvicorn on the caller's running event loop (uvloop in kvmesh's
-servers), beside the gRPC server on that loop. Field by field, docs/http.md.
+servers), beside the gRPC server on that loop, over TLS when the process serves TLS. Field by
+field, docs/http.md.
 """
 
 from __future__ import annotations
@@ -22,7 +28,10 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import socket
+import ssl
+import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -44,13 +53,24 @@ from kvmesh.protos.openai import (
     TokenizeRequest,
     usage_dict,
 )
+from kvmesh.protos.security import BearerTokens, TLSConfig, check_bearer
 
 logger = logging.getLogger("kvmesh.http")
 
-__all__ = ["Backend", "HttpServer", "SESSION_HEADER", "Tokenizer", "build_app"]
+__all__ = [
+    "MAX_CHOICES",
+    "Backend",
+    "HttpServer",
+    "SESSION_HEADER",
+    "Tokenizer",
+    "build_app",
+    "server_ssl_context",
+]
 
 SESSION_HEADER = "kvmesh-session"  # sticky-session key for the router's policy, as over gRPC
 _UNLIMITED = 2**31 - 1  # max_tokens when none is given: the engine stops at max_model_len
+MAX_CHOICES = 128  # prompts x n of one request: each choice is an engine request of its own
+OPEN_PATHS = ("/health",)  # GET only: load balancers' probes carry no token
 
 
 class Tokenizer(Protocol):
@@ -83,11 +103,28 @@ class Backend(Protocol):
 # ---------------------------------------------------------------- the app
 
 
-def build_app(backend: Backend, *, title: str = "kvmesh") -> FastAPI:
-    """The OpenAI-compatible app over ``backend`` (docs/http.md)."""
+def build_app(
+    backend: Backend,
+    *,
+    title: str = "kvmesh",
+    tokens: BearerTokens | None = None,
+    max_body_bytes: int | None = None,
+    max_choices: int = MAX_CHOICES,
+) -> FastAPI:
+    """The OpenAI-compatible app over ``backend`` (docs/http.md).
+
+    ``tokens``: when set, every request but ``GET /health`` needs ``Authorization: Bearer
+    <one of them>`` (401 otherwise), routes added later (``/metrics``) included.
+    ``max_body_bytes``: a larger body is refused with 413 before it is parsed (None: no
+    limit). ``max_choices``: the most prompts x ``n`` one request may ask for (400)."""
+    if max_body_bytes is not None and max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be >= 1 or None, got {max_body_bytes}")
+    if max_choices < 1:
+        raise ValueError(f"max_choices must be >= 1, got {max_choices}")
     app = FastAPI(title=title, docs_url=None, redoc_url=None)
-    api = _Api(backend)
+    api = _Api(backend, max_choices)
     app.state.backend = backend
+    app.add_middleware(_Guard, tokens=tokens, max_body_bytes=max_body_bytes)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -164,6 +201,80 @@ def _api_error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
 
 
+class _Guard:
+    """ASGI middleware in front of every route: the bearer token (when the server has client
+    tokens; compared in constant time by ``check_bearer``), then the body's size. A body is
+    read here, at most ``max_body_bytes`` of it, and handed on whole; the receive channel is
+    the client's again afterwards, so a handler still sees the client disconnect."""
+
+    def __init__(self, app, tokens: BearerTokens | None, max_body_bytes: int | None) -> None:
+        self.app = app
+        self.tokens = tokens
+        self.max_body = max_body_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.tokens is not None and not (
+            scope["method"] in ("GET", "HEAD") and scope["path"] in OPEN_PATHS
+        ):
+            auth = _header(scope, b"authorization")
+            if not check_bearer(auth, self.tokens):
+                why = "a bearer token is required" if not auth else "invalid bearer token"
+                err = APIError(
+                    401,
+                    f"{why}: send 'Authorization: Bearer <token>' (the openai client's api_key)",
+                    code="invalid_api_key",
+                )
+                resp = _api_error_response(err)
+                resp.headers["WWW-Authenticate"] = "Bearer"
+                await resp(scope, receive, send)
+                return
+        if self.max_body is None:
+            await self.app(scope, receive, send)
+            return
+        too_big = APIError(
+            413,
+            f"the request body is larger than this server's limit of {self.max_body} bytes "
+            "(the gRPC message limit, --max-message-mb)",
+        )
+        length = _header(scope, b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body:
+            await _api_error_response(too_big)(scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] != "http.request":  # the client left while sending
+                return
+            chunk = msg.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body:
+                await _api_error_response(too_big)(scope, receive, send)
+                return
+            chunks.append(chunk)
+            if not msg.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+def _header(scope, name: bytes) -> str | None:
+    for k, v in scope.get("headers", ()):
+        if k.lower() == name:
+            return v.decode("latin-1")
+    return None
+
+
 def _validation_error(exc: RequestValidationError) -> APIError:
     """FastAPI's 422 as OpenAI's 400, naming the first bad field."""
     errs = exc.errors()
@@ -195,8 +306,9 @@ class _Choice:
 
 
 class _Api:
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, max_choices: int = MAX_CHOICES) -> None:
         self.b = backend
+        self.max_choices = max_choices
         self.created = int(time.time())
 
     # ------------------------------------------------------------ checks and prompts
@@ -208,6 +320,16 @@ class _Api:
                 f"the model {model!r} does not exist; this server serves {self.b.model!r}",
                 param="model",
                 code="model_not_found",
+            )
+
+    def check_choices(self, prompts: int, n: int) -> None:
+        """Each choice is an engine request of its own: bound them per HTTP request."""
+        if prompts * n > self.max_choices:
+            raise APIError(
+                400,
+                f"{prompts} prompts x n={n} asks for {prompts * n} choices; at most "
+                f"{self.max_choices} per request",
+                param="prompt" if prompts > self.max_choices or n == 1 else "n",
             )
 
     def need_tokenizer(self, param: str) -> Tokenizer:
@@ -280,6 +402,7 @@ class _Api:
         prompts = body.prompts()
         if not prompts:
             raise APIError(400, "the prompt is empty", param="prompt")
+        self.check_choices(len(prompts), body.n)
         # OpenAI's logprobs=N: each sampled token's logprob and the N most likely tokens
         sp = self.sampling(body, body.max_tokens, body.logprobs is not None, body.logprobs or 0)
         ids_list = []
@@ -308,6 +431,7 @@ class _Api:
             )
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        self.check_choices(1, body.n)
         max_tokens = body.max_completion_tokens or body.max_tokens
         sp = self.sampling(body, max_tokens, body.logprobs, body.top_logprobs or 0)
         text = await self.template(body.messages, body.add_generation_prompt)
@@ -349,6 +473,11 @@ class _Api:
             except _ClientGone:
                 logger.info("request %s: the client went away; aborted", rid)
                 return Response(status_code=499)
+            finally:
+                # a choice that failed (finish_reason error) raises out of _fold with the
+                # other choices still running: closing aborts them (and, on the router, ends
+                # route(), which releases the request) before the error is answered
+                await events.aclose()
             return JSONResponse(fmt.full(choices))
         # the first event decides between a stream and an error response: a request refused
         # before any token (queue full, no worker, a prompt too long) gets its status code
@@ -677,13 +806,39 @@ class _Server:
         return Server(config)
 
 
+def server_ssl_context(tls: TLSConfig) -> ssl.SSLContext:
+    """The HTTP port's TLS: ``tls``'s certificate and key, and, when the gRPC side requires
+    client certificates (``client_ca``), the same requirement (mutual TLS). The ssl module
+    loads a certificate chain from files only: the PEM bytes pass through a private
+    temporary directory, removed at once."""
+    if not tls.serves:
+        raise ValueError("serving TLS needs a certificate and its key")
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    with tempfile.TemporaryDirectory(prefix="kvmesh-tls-") as d:  # mode 0700
+        cert, key = os.path.join(d, "cert.pem"), os.path.join(d, "key.pem")
+        for path, data in ((cert, tls.cert), (key, tls.key)):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+        ctx.load_cert_chain(cert, key)
+    if tls.client_ca is not None:
+        ctx.load_verify_locations(cadata=tls.client_ca.decode())
+        ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
 class HttpServer:
     """Serve ``app`` with uvicorn on the running event loop (``await start()`` from that
-    loop, e.g. beside a gRPC server on its ServerThread). ``port`` 0 picks a free one."""
+    loop, e.g. beside a gRPC server on its ServerThread). ``port`` 0 picks a free one.
+    ``tls``: when it serves (a certificate and key), HTTPS with it, requiring client
+    certificates when it has a ``client_ca``."""
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self, app, host: str = "127.0.0.1", port: int = 0, tls: TLSConfig | None = None
+    ) -> None:
         self.app = app
         self.host, self.port = host, port
+        self.ssl = server_ssl_context(tls) if tls is not None and tls.serves else None
         self._server = None
         self._task: asyncio.Task | None = None
 
@@ -707,6 +862,7 @@ class HttpServer:
             access_log=False,
             timeout_graceful_shutdown=1,
             timeout_keep_alive=30,
+            ssl_context_factory=(lambda config, default: self.ssl) if self.ssl else None,
         )
         self._server = _Server(config)
         self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
@@ -715,7 +871,8 @@ class HttpServer:
                 self._task.result()  # its error
                 raise OSError(f"the HTTP server on {self.host}:{self.port} did not start")
             await asyncio.sleep(0.01)
-        logger.info("HTTP (OpenAI API) serving on %s:%d", self.host, self.port)
+        scheme = "HTTPS" if self.ssl is not None else "HTTP"
+        logger.info("%s (OpenAI API) serving on %s:%d", scheme, self.host, self.port)
         return self.port
 
     async def stop(self) -> None:

@@ -20,6 +20,7 @@ from fastapi import FastAPI
 from kvmesh.protos.kvmesh.v1 import inference_pb2 as ipb
 from kvmesh.protos.openai import APIError, grpc_status_to_http
 from kvmesh.protos.openai_app import Tokenizer, build_app
+from kvmesh.protos.security import BearerTokens
 
 if TYPE_CHECKING:
     from kvmesh.router.service import RouterServer
@@ -82,6 +83,19 @@ class RouterBackend:
             await stream.aclose()  # the client gone: cancels the worker's call
 
 
-def build_router_app(server: RouterServer, model: str, tokenizer: Tokenizer | None) -> FastAPI:
-    """The router's OpenAI-compatible app (docs/http.md); add routes to it as to any app."""
-    return build_app(RouterBackend(server, model, tokenizer), title="kvmesh router")
+def build_router_app(
+    server: RouterServer,
+    model: str,
+    tokenizer: Tokenizer | None,
+    *,
+    tokens: BearerTokens | None = None,
+    max_body_bytes: int | None = None,
+) -> FastAPI:
+    """The router's OpenAI-compatible app (docs/http.md); add routes to it as to any app.
+    ``tokens``, ``max_body_bytes``: ``build_app``'s. The deadline is ``route``'s own."""
+    return build_app(
+        RouterBackend(server, model, tokenizer),
+        title="kvmesh router",
+        tokens=tokens,
+        max_body_bytes=max_body_bytes,
+    )

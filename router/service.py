@@ -223,11 +223,6 @@ class RouterServer:
     ) -> None:
         if default_deadline_s is not None and not default_deadline_s > 0:
             raise ValueError(f"default_deadline_s must be > 0 or None, got {default_deadline_s}")
-        if tokens is not None and http_port is not None:  # fail closed, not open
-            raise ValueError(
-                "the HTTP API does not check bearer tokens yet: a token file and an HTTP port "
-                "cannot be combined (the HTTP port would be open to anyone)"
-            )
         self.identity = identity
         self.tokens = tokens
         self.tls = tls
@@ -265,8 +260,15 @@ class RouterServer:
             from kvmesh.protos.openai_app import HttpServer
             from kvmesh.router.http_api import build_router_app
 
-            self.http_app = build_router_app(self, model_name or "kvmesh", tokenizer)
-            self.http = HttpServer(self.http_app, host, http_port)
+            # the client port's door: its tokens, TLS and message limit
+            self.http_app = build_router_app(
+                self,
+                model_name or "kvmesh",
+                tokenizer,
+                tokens=tokens,
+                max_body_bytes=max_message_mb * 2**20,
+            )
+            self.http = HttpServer(self.http_app, host, http_port, tls=tls)
         self._channels: dict[str, tuple[str, grpc.aio.Channel, ipb_grpc.InferenceStub]] = {}
         self._server: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
@@ -493,12 +495,6 @@ class RouterServer:
         self._loop = asyncio.get_running_loop()
         if self.http is not None:
             await self.http.start()
-            if self.tokens or (self.tls is not None and self.tls.serves):
-                logger.warning(
-                    "the HTTP API on port %d has neither the gRPC port's tokens nor TLS: "
-                    "expose it to trusted clients only",
-                    self.http.port,
-                )
         self._stopped = asyncio.Event()
         self._tasks.append(asyncio.ensure_future(self._housekeeping()))
         logger.info("router %s serving on %s:%d", self.core.router_id, self.host, port)

@@ -73,7 +73,12 @@ class WorkerServer:
     no data plane. ``tokens``: when set, the client methods (``Generate``, ``Abort``,
     ``GetModelInfo``) need one of them (or the cluster identity); health and reflection
     stay open. ``default_deadline_s`` caps how long a ``Generate`` runs (its own deadline,
-    when shorter, wins).
+    when shorter, wins). ``tls``: the process's TLS material; when it serves, the gRPC port
+    (``server_credentials`` defaults to its) and the HTTP port serve TLS with it.
+
+    The HTTP API (``http_port``) has the same door as gRPC: ``tokens`` on every path but
+    ``GET /health`` (``/metrics`` included), TLS (mutual when ``tls.client_ca`` is set),
+    bodies of at most ``max_message_mb``, and ``default_deadline_s`` per request (504).
     """
 
     def __init__(
@@ -94,14 +99,12 @@ class WorkerServer:
         identity: ClusterIdentity | None = None,
         tokens: BearerTokens | None = None,
         default_deadline_s: float | None = DEFAULT_DEADLINE_S,
+        tls: TLSConfig | None = None,
     ) -> None:
+        if tls is not None and tls.serves and server_credentials is None:
+            server_credentials = tls.server_credentials()
         if default_deadline_s is not None and not default_deadline_s > 0:
             raise ValueError(f"default_deadline_s must be > 0 or None, got {default_deadline_s}")
-        if tokens is not None and http_port is not None:  # fail closed, not open
-            raise ValueError(
-                "the HTTP API does not check bearer tokens yet: a token file and an HTTP port "
-                "cannot be combined (the HTTP port would be open to anyone)"
-            )
         if not 0 <= data_plane_port < 65536:
             raise ValueError(f"data_plane_port must be in [0, 65535], got {data_plane_port}")
         if max_message_mb < 1:
@@ -148,8 +151,15 @@ class WorkerServer:
             from kvmesh.protos.openai_app import HttpServer
             from kvmesh.worker.http_api import build_worker_app
 
-            self.http_app = build_worker_app(engine, self._life)
-            self.http = HttpServer(self.http_app, host, http_port)
+            # the same tokens, message limit and deadline as gRPC; TLS when ``tls`` serves
+            self.http_app = build_worker_app(
+                engine,
+                self._life,
+                tokens=tokens,
+                max_body_bytes=max_message_mb * 2**20,
+                deadline_s=default_deadline_s,
+            )
+            self.http = HttpServer(self.http_app, host, http_port, tls=tls)
             if engine.engine.metrics is not None:  # the HTTP port serves /metrics too
                 from kvmesh.protos.metrics import add_metrics_route
 
@@ -216,10 +226,10 @@ class WorkerServer:
         self._stopped = asyncio.Event()
         if self.http is not None:
             await self.http.start()
-            if self.tokens or self.server_credentials is not None:
+            if self.server_credentials is not None and self.http.ssl is None:
                 logger.warning(
-                    "the HTTP API on port %d has neither the gRPC port's tokens nor TLS: "
-                    "expose it to trusted clients only",
+                    "the HTTP API on port %d is plaintext beside a TLS gRPC port (pass "
+                    "tls=TLSConfig to serve it with TLS too)",
                     self.http.port,
                 )
         if self.engine is not None:
@@ -368,7 +378,7 @@ def serve_worker(
         data_plane_port=data_plane_port,
         http_port=http_port,
         metrics_port=metrics_port,
-        server_credentials=tls.server_credentials() if tls is not None and tls.serves else None,
+        tls=tls,
         identity=identity,
         tokens=tokens,
         default_deadline_s=default_deadline_s,

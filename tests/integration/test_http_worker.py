@@ -495,3 +495,45 @@ def test_a_drain_finishes_http_streams_and_refuses_new_requests(smol_src):
     finally:
         if not stopper.is_alive() and not stopper.ident:
             srv.stop_in_thread(grace=0)
+
+
+# ---------------------------------------------------------------- the default deadline
+
+DEADLINE_S = 4.0  # far shorter than 4000 tokens take here, far longer than a first token
+
+
+@pytest.fixture(scope="module")
+def hasty(smol_src):
+    """A worker whose every request must end within DEADLINE_S (``--request-timeout``)."""
+    srv = WorkerServer(
+        LLMEngine(MODEL, kv_cache_memory="64MiB"),
+        http_port=0,
+        data_plane=False,
+        default_deadline_s=DEADLINE_S,
+    )
+    srv.start_in_thread()
+    yield srv
+    srv.stop_in_thread(grace=0)
+
+
+def test_the_default_deadline_aborts_the_request_with_504(hasty):
+    """As gRPC's Generate: past the server's deadline the request is aborted (its pages
+    freed) and answered 504; in a stream that began, the error JSON and then [DONE]."""
+    base = f"http://127.0.0.1:{hasty.http.port}"
+    free = engine_stats(hasty).num_free_pages
+    n_aborted = aborted(hasty) or 0
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4000, "ignore_eos": True}
+    err = assert_error(httpx.post(base + "/v1/completions", json=body, timeout=120), 504)
+    assert err["type"] == "timeout_error" and "deadline" in err["message"]
+    assert wait_until(lambda: idle(hasty, free), timeout=30)
+    assert aborted(hasty) == n_aborted + 1
+
+    stream = {**body, "stream": True}
+    with httpx.stream("POST", base + "/v1/completions", json=stream, timeout=120) as r:
+        assert r.status_code == 200  # the first token came well within the deadline
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][6:])["error"]["type"] == "timeout_error"
+    assert len(lines) > 3 and json.loads(lines[0][6:])["choices"][0]["text"] is not None
+    assert wait_until(lambda: idle(hasty, free), timeout=30)
+    assert aborted(hasty) == n_aborted + 2

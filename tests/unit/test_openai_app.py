@@ -5,16 +5,22 @@ kvmesh rejects by name."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry, Counter
 
 from kvmesh.protos.kvmesh.v1 import inference_pb2 as ipb
+from kvmesh.protos.metrics import add_metrics_route
 from kvmesh.protos.openai import APIError, grpc_status_to_http
 from kvmesh.protos.openai_app import build_app
+from kvmesh.protos.security import BearerTokens
 
 QUEUE_FULL, FAILS_MID_STREAM = 900, 901  # first prompt token ids that script a failure
+ONE_CHOICE_ERRS = 902  # choice 0 ends with finish_reason error, the others run until closed
+TOKENS = ["tenant-a-token-0123456789", "tenant-b-token-9876543210"]
 
 
 class Tok:
@@ -37,6 +43,7 @@ class Backend:
 
     def __init__(self) -> None:
         self.seen: list[ipb.GenerateRequest] = []
+        self.open: set[str] = set()  # request ids whose stream has not been closed
 
     def unavailable(self) -> str | None:
         return None
@@ -49,6 +56,21 @@ class Backend:
         ids = list(request.token_ids.ids)
         if ids[0] == QUEUE_FULL:
             raise APIError(429, "the waiting queue is full")
+        if ids[0] == ONE_CHOICE_ERRS:
+            rid = request.request_id
+            self.open.add(rid)
+            try:
+                if rid.endswith("-0"):
+                    await asyncio.sleep(0.01)  # the other choice is running by now
+                    yield ipb.GenerateResponse(
+                        request_id=rid, finished=True, finish_reason="error", error="boom"
+                    )
+                    return
+                while True:  # a long generation, until its stream is closed (an abort)
+                    yield ipb.GenerateResponse(request_id=rid, token_ids=[97], text="a")
+                    await asyncio.sleep(0.001)
+            finally:
+                self.open.discard(rid)
         n = request.sampling.max_tokens
         for k in range(n):
             if ids[0] == FAILS_MID_STREAM and k == 2:
@@ -219,3 +241,108 @@ def test_grpc_codes_map_to_http():
     assert grpc_status_to_http("INTERNAL") == 500
     assert APIError(503, "x").headers() == {"Retry-After": "1"}
     assert APIError(400, "x").headers() == {}
+
+
+# ---------------------------------------------------------------- the guard and the bounds
+
+
+def test_a_failed_choice_closes_the_others_before_the_error_is_answered(backend):
+    """n=2, choice 0 ends with finish_reason error: the 500 is answered only once choice 1's
+    stream is closed (its request aborted); on the router, that close is what releases the
+    request. Measured when the app returns, before the loop runs anything else."""
+    app = build_app(backend)
+    open_at_return = []
+
+    async def recording(scope, receive, send):
+        await app(scope, receive, send)
+        if scope["type"] == "http":
+            open_at_return.append(set(backend.open))
+
+    with TestClient(recording) as c:
+        r = c.post("/v1/completions", json={"model": "m", "prompt": [ONE_CHOICE_ERRS], "n": 2})
+    assert r.status_code == 500 and "boom" in r.json()["error"]["message"]
+    assert open_at_return == [set()]
+    assert {q.request_id[-2:] for q in backend.seen} == {"-0", "-1"}
+
+
+def guarded(backend, **kw) -> TestClient:
+    app = build_app(backend, **kw)
+    registry = CollectorRegistry()
+    Counter("kvmesh:prefix_cache_hits", "hits", registry=registry).inc(3)
+    add_metrics_route(app, registry)  # added after build_app, as the servers do
+    return TestClient(app)
+
+
+def test_tokens_guard_every_path_but_health(backend):
+    body = {"model": "m", "prompt": "hi", "max_tokens": 2}
+    with guarded(backend, tokens=BearerTokens(TOKENS)) as c:
+        for headers in (
+            {},
+            {"Authorization": "Bearer wrong-token-0123456789"},
+            {"Authorization": TOKENS[0]},
+        ):
+            for method, path in [
+                ("POST", "/v1/completions"),
+                ("GET", "/v1/models"),
+                ("POST", "/tokenize"),
+                ("GET", "/metrics"),
+                ("GET", "/v1/nothing"),
+            ]:
+                r = c.request(method, path, json=body, headers=headers)
+                assert r.status_code == 401, (path, headers, r.text)
+                err = r.json()["error"]
+                assert err["type"] == "authentication_error" and err["code"] == "invalid_api_key"
+                assert set(err) == {"message", "type", "param", "code"}
+                assert r.headers["www-authenticate"] == "Bearer"
+        assert backend.seen == []  # nothing reached the backend
+        assert c.get("/health").status_code == 200  # probes carry no token
+        for tok in TOKENS:  # either token of the file; the scheme's case does not matter
+            for scheme in ("Bearer", "bearer"):
+                h = {"Authorization": f"{scheme} {tok}"}
+                assert c.post("/v1/completions", json=body, headers=h).status_code == 200
+                r = c.get("/metrics", headers=h)
+                assert r.status_code == 200 and "kvmesh:prefix_cache_hits_total 3.0" in r.text
+    with guarded(backend) as c:  # no tokens: open, as before
+        assert c.post("/v1/completions", json=body).status_code == 200
+        assert c.get("/metrics").status_code == 200
+
+
+def test_a_body_over_the_limit_is_413_before_parsing(backend):
+    limit = 1000
+    with guarded(backend, max_body_bytes=limit) as c:
+        big = {"model": "m", "prompt": "x" * limit, "max_tokens": 2}
+        r = c.post("/v1/completions", json=big)
+        assert r.status_code == 413, r.text
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and str(limit) in err["message"]
+        # no Content-Length (chunked): counted while read
+        chunks = (b'{"model": "m", "prompt": "' + b"x" * 200 for _ in range(10))
+        r = c.post("/v1/completions", content=chunks, headers={"content-type": "application/json"})
+        assert r.status_code == 413, r.text
+        # not even valid JSON: the size is checked first
+        r = c.post("/v1/chat/completions", content=b"{" * (limit + 1))
+        assert r.status_code == 413
+        assert backend.seen == []
+        ok = {"model": "m", "prompt": "x" * 100, "max_tokens": 2}
+        assert c.post("/v1/completions", json=ok).status_code == 200
+        assert c.post("/v1/completions", content=b"{nope").status_code == 400
+
+
+def test_prompts_times_n_is_bounded(backend):
+    with guarded(backend, max_choices=8) as c:
+        r = c.post("/v1/completions", json={"model": "m", "prompt": [[1]] * 9})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        r = c.post("/v1/completions", json={"model": "m", "prompt": [[1]] * 3, "n": 3})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+        chat = {"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 9}
+        r = c.post("/v1/chat/completions", json=chat)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+        assert backend.seen == []
+        r = c.post(
+            "/v1/completions", json={"model": "m", "prompt": [[1]] * 4, "n": 2, "max_tokens": 1}
+        )
+        assert r.status_code == 200 and len(r.json()["choices"]) == 8
+    # the default: 128 choices
+    with guarded(Backend()) as c:
+        r = c.post("/v1/completions", json={"model": "m", "prompt": [[1]] * 65, "n": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n"
