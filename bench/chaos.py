@@ -277,6 +277,26 @@ def hostile_peer(worker_address: str) -> dict:
     return out
 
 
+def worker_tier_metrics(actors) -> list[dict]:
+    """Each worker's Redis and host tier counters (a restarted worker's start from zero):
+    whether corrupt objects were read (and refused), and Redis errors."""
+    import ray
+
+    def read(self):
+        m = self.aeng.call(lambda e: e.store_metrics(), 30)
+        return {"worker_id": self.worker_id} | {
+            t: m.get("tiers", {}).get(t) for t in ("host", "redis")
+        }
+
+    out = []
+    for actor in actors:
+        try:
+            out.append(ray.get(actor.__ray_call__.remote(read), timeout=60))
+        except Exception as e:
+            out.append({"error": repr(e)[:200]})
+    return out
+
+
 def sigkill_worker(actor) -> dict:
     import ray
 
@@ -445,6 +465,7 @@ def main(argv: list[str] | None = None) -> int:
             out["faults"] = faults
             stats = cluster.stats()
             out["router"] = {"retries": stats.get("retries"), "removed": stats.get("removed")}
+            out["worker_tiers"] = worker_tier_metrics(cluster.workers)
     finally:
         if cluster is not None:
             cluster.shutdown(grace=0)
