@@ -17,6 +17,7 @@ from kvmesh.protos.metrics import add_metrics_route
 from kvmesh.protos.openai import APIError, grpc_status_to_http
 from kvmesh.protos.openai_app import build_app
 from kvmesh.protos.security import BearerTokens
+from kvmesh.router.http_api import RouterBackend
 
 QUEUE_FULL, FAILS_MID_STREAM = 900, 901  # first prompt token ids that script a failure
 ONE_CHOICE_ERRS = 902  # choice 0 ends with finish_reason error, the others run until closed
@@ -246,22 +247,45 @@ def test_grpc_codes_map_to_http():
 # ---------------------------------------------------------------- the guard and the bounds
 
 
-def test_a_failed_choice_closes_the_others_before_the_error_is_answered(backend):
+class RouterStub:
+    """What ``RouterBackend`` needs of a RouterServer: ``route``, here over the scripted
+    backend, keeping ``active`` as the real one does (released in its ``finally``)."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.active: set[str] = set()
+
+    async def route(self, ids, sampling, request_id="", *, session=None):
+        req = ipb.GenerateRequest(
+            token_ids=ipb.TokenIds(ids=ids), sampling=sampling, request_id=request_id
+        )
+        self.active.add(request_id)
+        try:
+            async for msg in self.backend.generate(req):
+                yield msg
+        finally:
+            self.active.discard(request_id)  # RouterServer.route: core.release, active
+
+
+@pytest.mark.parametrize("front", ["worker", "router"])
+def test_a_failed_choice_closes_the_others_before_the_error_is_answered(backend, front):
     """n=2, choice 0 ends with finish_reason error: the 500 is answered only once choice 1's
-    stream is closed (its request aborted); on the router, that close is what releases the
-    request. Measured when the app returns, before the loop runs anything else."""
-    app = build_app(backend)
-    open_at_return = []
+    stream is closed (its request aborted) and, through the router, once route() has
+    released both requests. Measured when the app returns, before the loop runs anything
+    else (a garbage-collected generator would be closed later, by the loop)."""
+    router = RouterStub(backend)
+    app = build_app(backend if front == "worker" else RouterBackend(router, "m", Tok()))
+    at_return = []
 
     async def recording(scope, receive, send):
         await app(scope, receive, send)
         if scope["type"] == "http":
-            open_at_return.append(set(backend.open))
+            at_return.append((set(backend.open), set(router.active)))
 
     with TestClient(recording) as c:
         r = c.post("/v1/completions", json={"model": "m", "prompt": [ONE_CHOICE_ERRS], "n": 2})
     assert r.status_code == 500 and "boom" in r.json()["error"]["message"]
-    assert open_at_return == [set()]
+    assert at_return == [(set(), set())]
     assert {q.request_id[-2:] for q in backend.seen} == {"-0", "-1"}
 
 
