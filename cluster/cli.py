@@ -117,8 +117,9 @@ def _add_security_args(p: argparse.ArgumentParser, *, serve: bool = False) -> No
         "--token-file",
         default=None,
         metavar="PATH",
-        help="client bearer tokens, one per line: Generate, Abort and GetModelInfo then need "
-        "'authorization: Bearer <token>' (default: open)",
+        help="client bearer tokens, one per line: Generate, Abort and GetModelInfo, and every "
+        "HTTP API path but GET /health, then need 'authorization: Bearer <token>' "
+        "(default: open)",
     )
     p.add_argument("--tls-cert", default=None, metavar="PEM", help="serve TLS: certificate chain")
     p.add_argument("--tls-key", default=None, metavar="PEM", help="serve TLS: private key")
