@@ -237,7 +237,7 @@ class _Guard:
         too_big = APIError(
             413,
             f"the request body is larger than this server's limit of {self.max_body} bytes "
-            "(the gRPC message limit, --max-message-mb)",
+            "(the gRPC message limit)",
         )
         length = _header(scope, b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
