@@ -164,12 +164,44 @@ def test_a_restarted_router_gets_the_workers_and_their_caches_back(cluster, clie
 
 
 def test_a_client_that_leaves_aborts_its_request_on_the_worker(cluster, client):
+    # defined here, not at module level: Ray pickles it by value for the worker actors
+    def _record_aborts(self) -> None:
+        """On a worker actor: keep the final output of every request its engine aborts."""
+
+        def install(engine):
+            orig = engine.abort_request
+            self.aborted = {}
+
+            def abort_request(request_id):
+                out = orig(request_id)
+                if out is not None:
+                    self.aborted[request_id] = (out.finish_reason, len(out.token_ids))
+                return out
+
+            engine.abort_request = abort_request
+
+        self.aeng.call(install)
+
+    ray.get([w.__ray_call__.remote(_record_aborts) for w in cluster.workers])
     stream = client.generate(
-        "Tell me a very long story.", temperature=0, max_tokens=400, ignore_eos=True
+        "Tell me a very long story.",
+        request_id="leave-cluster",
+        temperature=0,
+        max_tokens=400,
+        ignore_eos=True,
     )
     assert [len(next(stream).token_ids) for _ in range(3)] == [1, 1, 1]
     stream.close()  # cancels the call: the router cancels its call to the worker
-    # 400 tokens would take far longer than this; the worker's own report shows it idle
+
+    def aborted():
+        seen = ray.get([w.__ray_call__.remote(lambda self: self.aborted) for w in cluster.workers])
+        return next((a["leave-cluster"] for a in seen if "leave-cluster" in a), None)
+
+    # the worker's engine finished it as an abort, not by running out its 400 tokens
+    got = wait_until(aborted, timeout=15)
+    assert got is not None, "the worker never aborted the request"
+    reason, n_tokens = got
+    assert reason == "abort" and 3 <= n_tokens < 400
     assert wait_until(
         lambda: all(
             w["load"]["running"] == 0 and w["load"]["waiting"] == 0
