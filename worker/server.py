@@ -243,11 +243,16 @@ class WorkerServer:
         return port
 
     def _watch_engine(self) -> None:
-        """A dead engine loop turns health NOT_SERVING (for the whole server and Inference):
-        a standalone worker cannot serve again until it is restarted."""
+        """A dead engine loop turns health NOT_SERVING (for the whole server, Inference, and
+        KVTransfer when it serves the engine's pages): a standalone worker cannot serve again
+        until it is restarted."""
+        from kvmesh.worker.page_source import EnginePageSource
+
         loop = asyncio.get_running_loop()
         health_servicer = self.health
         to_mark = ["", ipb.DESCRIPTOR.services_by_name["Inference"].full_name]
+        if isinstance(self.page_source, EnginePageSource):  # its reads go through the engine
+            to_mark.append(kpb.DESCRIPTOR.services_by_name["KVTransfer"].full_name)
 
         async def mark(error: BaseException) -> None:
             logger.error("worker %s: the engine loop died (%r): NOT_SERVING", self.worker_id, error)

@@ -542,6 +542,7 @@ def test_a_worker_whose_engine_died_reports_not_serving(smol_src):
             assert crashed.wait(30)
             assert wait_until(lambda: c.health() == "NOT_SERVING", timeout=30)
             assert c.health("kvmesh.v1.Inference") == "NOT_SERVING"
+            assert c.health("kvmesh.v1.KVTransfer") == "NOT_SERVING"  # it serves engine pages
             with pytest.raises(Unavailable, match="crashed"):
                 c.generate_text("Hi", max_tokens=2)
     finally:
