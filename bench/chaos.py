@@ -45,8 +45,8 @@ import time
 from concurrent import futures
 from pathlib import Path
 
-# bench/ is sys.path[0] when this runs as a script: it goes last, so a module there named
-# like a standard one (bench/http.py) cannot shadow it for the libraries imported below
+# bench/ is sys.path[0] when this runs as a script: it goes last, so a module there can
+# never shadow a standard one for the libraries imported below
 sys.path.append(sys.path.pop(0))
 
 from machine import machine_info  # noqa: E402

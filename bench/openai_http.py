@@ -25,8 +25,8 @@ here: on a 2-core machine they share the CPUs, the same way for every target.
 
 Prints one JSON object on stdout; progress goes to stderr.
 
-    python bench/http.py
-    python bench/http.py --vllm-python /root/vllm-venv/bin/python
+    python bench/openai_http.py
+    python bench/openai_http.py --vllm-python /root/vllm-venv/bin/python
 """
 
 from __future__ import annotations
