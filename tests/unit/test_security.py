@@ -8,22 +8,34 @@ import pickle
 import pytest
 
 from kvmesh.kvstore.dataplane import protocol as dp
+from kvmesh.protos.kvmesh.v1 import inference_pb2, kv_transfer_pb2
 from kvmesh.protos.security import (
     AccessPolicy,
     BearerTokens,
     ClusterIdentity,
     TLSConfig,
+    _derive,
 )
+from kvmesh.router.service import ROUTER_CLUSTER_ONLY
+from kvmesh.worker.server import CLUSTER_ONLY_METHODS
 
 SECRET = b"unit-test-cluster-secret-0123456789"
-CLUSTER_ONLY = ("/kvmesh.v1.KVTransfer/", "/kvmesh.v1.Inference/GetLoad")
 
 
 def test_the_secret_and_its_keys_are_never_printed_and_survive_pickling():
     ident = ClusterIdentity(SECRET)
     for text in (repr(ident), str(ident)):
         assert SECRET.decode() not in text and ident.credential not in text
-    assert len({ident.credential.encode(), ident.data_plane_key, SECRET}) == 3  # independent
+    # independent keys, none of them the secret, all 32 bytes
+    keys = [
+        bytes.fromhex(ident.credential),
+        ident.data_plane_key,
+        ident._proof_key,
+        _derive(SECRET, "another-purpose"),
+        SECRET,
+    ]
+    assert len(set(keys)) == len(keys)
+    assert all(len(k) == 32 for k in keys[:-1])
     assert pickle.loads(pickle.dumps(ident)) == ident  # Ray hands it to the actors
     assert ClusterIdentity(SECRET[:-1] + b"x") != ident
 
@@ -52,9 +64,9 @@ def test_the_access_policy():
     ident = ClusterIdentity(SECRET)
     member = ident.metadata()
     client = [("authorization", "Bearer tenant-token-0123456789")]
-    open_ = AccessPolicy(ident, None, CLUSTER_ONLY)
-    locked = AccessPolicy(ident, BearerTokens(["tenant-token-0123456789"]), CLUSTER_ONLY)
-    lonely = AccessPolicy(None, None, CLUSTER_ONLY)
+    open_ = AccessPolicy(ident, None, CLUSTER_ONLY_METHODS)  # the worker's real list
+    locked = AccessPolicy(ident, BearerTokens(["tenant-token-0123456789"]), CLUSTER_ONLY_METHODS)
+    lonely = AccessPolicy(None, None, CLUSTER_ONLY_METHODS)
     fetch, generate = "/kvmesh.v1.KVTransfer/Fetch", "/kvmesh.v1.Inference/Generate"
     health = "/grpc.health.v1.Health/Check"
     assert open_.verdict(fetch, member) is None
@@ -66,6 +78,28 @@ def test_the_access_policy():
     assert locked.verdict(generate, client) is None
     assert locked.verdict(generate, member) is None  # members may call client methods
     assert locked.verdict(health, ()) is None  # probes carry no token
+
+
+def _methods(pb2, service: str) -> list[str]:
+    svc = pb2.DESCRIPTOR.services_by_name[service]
+    return [f"/{svc.full_name}/{m.name}" for m in svc.methods]
+
+
+def test_the_servers_cluster_only_lists_cover_kvtransfer_and_the_load():
+    """The worker's and the router's real lists (docs/security.md, "What needs what"): every
+    KVTransfer method and GetLoad are for members only, the client methods are not."""
+    worker = AccessPolicy(ClusterIdentity(SECRET), None, CLUSTER_ONLY_METHODS)
+    router = AccessPolicy(ClusterIdentity(SECRET), None, ROUTER_CLUSTER_ONLY)
+    kv = _methods(kv_transfer_pb2, "KVTransfer")
+    assert {m.rsplit("/", 1)[1] for m in kv} >= {"Lookup", "Fetch", "Push", "DataPlane"}
+    for method in kv:
+        assert worker.is_cluster_only(method), method
+    get_load = "/kvmesh.v1.Inference/GetLoad"
+    assert worker.is_cluster_only(get_load) and router.is_cluster_only(get_load)
+    for method in _methods(inference_pb2, "Inference"):
+        if method != get_load:  # Generate, Abort, GetModelInfo: clients' methods
+            assert not worker.is_cluster_only(method), method
+            assert not router.is_cluster_only(method), method
 
 
 def test_tls_material_must_come_in_pairs():
