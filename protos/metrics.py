@@ -67,9 +67,16 @@ class MetricsServer:
     def __init__(self, registry: CollectorRegistry, host: str = "0.0.0.0", port: int = 0) -> None:
         if not 0 <= port < 65536:
             raise ValueError(f"metrics port must be in [0, 65535], got {port}")
-        self._server = make_server(
-            host, port, metrics_wsgi_app(registry), ThreadingWSGIServer, handler_class=_QuietHandler
-        )
+        try:
+            self._server = make_server(
+                host,
+                port,
+                metrics_wsgi_app(registry),
+                ThreadingWSGIServer,
+                handler_class=_QuietHandler,
+            )
+        except OSError as e:  # name the port: a process serves several
+            raise OSError(e.errno, f"cannot bind metrics {host}:{port}: {e.strerror}") from None
         self._thread = threading.Thread(
             target=self._server.serve_forever, name="kvmesh-metrics", daemon=True
         )

@@ -231,7 +231,6 @@ class RouterServer:
         self._channel_options = channel_options(max_message_mb, keepalive_s, keepalive_timeout_s)
         self._calls: dict[str, dict[str, grpc.aio.Call]] = {}  # worker -> request id -> call
         self._cut: dict[str, str] = {}  # request id -> why its worker's call was cut
-        core.on_dead.append(self._cut_calls)
         if max_message_mb < 1:  # checked now, not when the server starts
             raise ValueError(f"max_message_mb must be >= 1, got {max_message_mb}")
         if metrics_port is not None and not 0 <= metrics_port < 65536:
@@ -285,6 +284,7 @@ class RouterServer:
 
         self.metrics = RouterMetrics(core, model_name=model_name, run=self._run_on_loop)
         core.metrics = self.metrics
+        core.on_dead.append(self._cut_calls)  # after every check: a refused one leaves none
         self.metrics_port = metrics_port
         self.metrics_server = None
         self.prometheus_sd_file = prometheus_sd_file
@@ -469,8 +469,29 @@ class RouterServer:
         self._sd_written = groups
 
     async def start(self) -> int:
+        """Bind and start serving; returns the bound port. When any part fails to start (a
+        port taken), what had started is stopped again before the error is raised."""
         policy = AccessPolicy(self.identity, self.tokens, ROUTER_CLUSTER_ONLY)
         server = aio_server(self.max_message_mb, [AuthInterceptor(policy)])
+        asked = (self.port, self.metrics_port)
+        try:
+            port = await self._start_parts(server)
+        except BaseException:
+            if self.http is not None:
+                await self.http.stop()
+            await server.stop(None)
+            self._server = self._stopped = self._loop = self._serving = None
+            if self.metrics_server is not None:
+                await asyncio.to_thread(self.metrics_server.stop)
+                self.metrics_server = None
+            self.port, self.metrics_port = asked
+            raise
+        self._tasks.append(asyncio.ensure_future(self._housekeeping()))
+        logger.info("router %s serving on %s:%d", self.core.router_id, self.host, port)
+        return port
+
+    async def _start_parts(self, server: grpc.aio.Server) -> int:
+        """Metrics, gRPC, HTTP, in that order; the gRPC port."""
         if self.metrics_port is not None:
             from kvmesh.protos.metrics import serve_metrics
 
@@ -482,22 +503,23 @@ class RouterServer:
         names = [_INFERENCE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
         reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], server)
         target = f"{self.host}:{self.port}"
-        if self.tls is not None and self.tls.serves:
-            port = server.add_secure_port(target, self.tls.server_credentials())
-        else:
-            port = server.add_insecure_port(target)
+        try:
+            if self.tls is not None and self.tls.serves:
+                port = server.add_secure_port(target, self.tls.server_credentials())
+            else:
+                port = server.add_insecure_port(target)
+        except RuntimeError as e:  # grpc's "Failed to bind to address"
+            raise OSError(f"cannot bind gRPC {target}: {e}") from None
         if port == 0:
-            raise OSError(f"cannot bind {self.host}:{self.port}")
+            raise OSError(f"cannot bind gRPC {target}")
         self.port = port
         await self._set_health()
         await server.start()
         self._server = server
         self._loop = asyncio.get_running_loop()
+        self._stopped = asyncio.Event()
         if self.http is not None:
             await self.http.start()
-        self._stopped = asyncio.Event()
-        self._tasks.append(asyncio.ensure_future(self._housekeeping()))
-        logger.info("router %s serving on %s:%d", self.core.router_id, self.host, port)
         return port
 
     async def _set_health(self) -> None:

@@ -195,9 +195,30 @@ class WorkerServer:
         self.metrics_port = self.metrics_server.port
 
     async def start(self) -> int:
-        """Bind and start serving; returns the bound port."""
+        """Bind and start serving; returns the bound port. When any part fails to start (a
+        port taken), what had started is stopped again before the error is raised."""
         policy = AccessPolicy(self.identity, self.tokens, CLUSTER_ONLY_METHODS)
         server = aio_server(self.max_message_mb, [AuthInterceptor(policy)])
+        asked = (self.port, self.data_plane_port, self.metrics_port)
+        try:
+            port, names = await self._start_parts(server)
+        except BaseException:
+            await self._undo_start(server)
+            self.port, self.data_plane_port, self.metrics_port = asked
+            raise
+        if self.engine is not None:
+            self._watch_engine()
+        services, where = ", ".join(names), f"{self.host}:{port}"
+        dp = f", page data plane on port {self.data_plane_port}" if self.data_plane else ""
+        auth = f"cluster {self.identity.fingerprint}" if self.identity else "no cluster secret"
+        auth += ", TLS" if self.server_credentials is not None else ", plaintext"
+        auth += f", {len(self.tokens)} client tokens" if self.tokens else ""
+        logger.info("worker %s serving %s on %s%s (%s)", self.worker_id, services, where, dp, auth)
+        return port
+
+    async def _start_parts(self, server: grpc.aio.Server) -> tuple[int, list[str]]:
+        """Metrics, the data plane, gRPC, HTTP, in that order; the gRPC port and the
+        services it serves."""
         self._start_metrics()
         names = [kpb.DESCRIPTOR.services_by_name["KVTransfer"].full_name]
         if self.engine is not None:
@@ -206,7 +227,6 @@ class WorkerServer:
             )
             ipb_grpc.add_InferenceServicer_to_server(self.inference, server)
             names.append(ipb.DESCRIPTOR.services_by_name["Inference"].full_name)
-        asked_port = self.data_plane_port
         if self.data_plane_enabled:
             self.data_plane = DataPlaneServer(
                 self.page_source,
@@ -215,13 +235,7 @@ class WorkerServer:
                 key=self.identity.data_plane_key,
             )
             self.data_plane_port = await asyncio.to_thread(self.data_plane.start)
-        try:
-            port = await self._start_grpc(server, names)
-        except BaseException:  # nothing serves: the data plane must not outlive the attempt
-            if self.data_plane is not None:
-                self.data_plane.stop()
-                self.data_plane, self.data_plane_port = None, asked_port
-            raise
+        port = await self._start_grpc(server, names)
         self._server = server
         self._stopped = asyncio.Event()
         if self.http is not None:
@@ -232,15 +246,21 @@ class WorkerServer:
                     "tls=TLSConfig to serve it with TLS too)",
                     self.http.port,
                 )
-        if self.engine is not None:
-            self._watch_engine()
-        services, where = ", ".join(names), f"{self.host}:{port}"
-        dp = f", page data plane on port {self.data_plane_port}" if self.data_plane else ""
-        auth = f"cluster {self.identity.fingerprint}" if self.identity else "no cluster secret"
-        auth += ", TLS" if self.server_credentials is not None else ", plaintext"
-        auth += f", {len(self.tokens)} client tokens" if self.tokens else ""
-        logger.info("worker %s serving %s on %s%s (%s)", self.worker_id, services, where, dp, auth)
-        return port
+        return port, names
+
+    async def _undo_start(self, server: grpc.aio.Server) -> None:
+        """Stop whatever ``_start_parts`` started (each stop is a no-op for a part that did
+        not start), so that a failed start leaves no port bound and no thread running."""
+        if self.http is not None:
+            await self.http.stop()
+        await server.stop(None)
+        self._server = self._stopped = None
+        if self.data_plane is not None:
+            await asyncio.to_thread(self.data_plane.stop)
+            self.data_plane = None
+        if self.metrics_server is not None:
+            await asyncio.to_thread(self.metrics_server.stop)
+            self.metrics_server = None
 
     def _watch_engine(self) -> None:
         """A dead engine loop turns health NOT_SERVING (for the whole server, Inference, and
@@ -279,12 +299,15 @@ class WorkerServer:
         names.append(health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
         reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], server)
         target = f"{self.host}:{self.port}"
-        if self.server_credentials is not None:
-            port = server.add_secure_port(target, self.server_credentials)
-        else:
-            port = server.add_insecure_port(target)
+        try:
+            if self.server_credentials is not None:
+                port = server.add_secure_port(target, self.server_credentials)
+            else:
+                port = server.add_insecure_port(target)
+        except RuntimeError as e:  # grpc's "Failed to bind to address"
+            raise OSError(f"cannot bind gRPC {target}: {e}") from None
         if port == 0:
-            raise OSError(f"cannot bind {self.host}:{self.port}")
+            raise OSError(f"cannot bind gRPC {target}")
         self.port = port
         await server.start()
         return port

@@ -156,9 +156,10 @@ class DataPlaneServer:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((self.host, self.port))
             sock.listen(128)
-        except OSError:
+        except OSError as e:  # name the port: a worker binds several
             sock.close()
-            raise
+            why = f"cannot bind data plane {self.host}:{self.port}: {e.strerror}"
+            raise OSError(e.errno, why) from None
         self._listener = sock
         self.port = sock.getsockname()[1]
         self._accept_thread = threading.Thread(
