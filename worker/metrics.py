@@ -295,13 +295,16 @@ class _EngineCollector(Collector):
         with off._lock:
             by_tier = dict(off.promoted_by_tier)
             spill = dict(off.metrics)
-        stores = ([conn.store] if conn.store is not None else []) + off.peer_stores()
         seen: dict[str, dict[str, float]] = {}
-        for store in stores:
-            counts = store.metrics()  # per tier: errors, and corrupt (codec and wire)
-            for tier in store.tiers:
-                m = seen.setdefault(tier.name, dict.fromkeys(
-                    ("spilled", "rejected", "errors", "dp", "grpc", "down"), 0))  # fmt: skip
+
+        def tier_counts(name: str) -> dict[str, float]:
+            return seen.setdefault(name, dict.fromkeys(
+                ("spilled", "rejected", "errors", "dp", "grpc", "down"), 0))  # fmt: skip
+
+        if conn.store is not None:
+            counts = conn.store.metrics()  # per tier: errors, and corrupt (codec and wire)
+            for tier in conn.store.tiers:
+                m = tier_counts(tier.name)
                 own = getattr(tier, "metrics", {})
                 m["spilled"] += own.get("puts", 0)
                 m["errors"] += counts[tier.name]["errors"]
@@ -313,6 +316,16 @@ class _EngineCollector(Collector):
                     pages.add_metric([*v, tier.name], tier.num_objects)
                     nbytes.add_metric([*v, tier.name], tier.used_bytes)
                     cap.add_metric([*v, tier.name], tier.budget_bytes)
+        # the peers requests named: totals over every peer store the offloader has had, those
+        # it closed included, so these counters never go down
+        peer = off.peer_counters()
+        if peer is not None:
+            m = tier_counts("peer")
+            m["errors"] += peer["errors"]
+            m["rejected"] += peer["corrupt"]
+            m["dp"] += peer["data_plane_bytes"]
+            m["grpc"] += peer["grpc_bytes"]
+            m["down"] += not off.peer_healthy()
         for name, m in seen.items():
             up.add_metric([*v, name], 0 if m["down"] else 1)
             spilled.add_metric([*v, name], m["spilled"])

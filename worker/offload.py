@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -31,6 +32,9 @@ from kvmesh.worker.request import Request
 logger = logging.getLogger("kvmesh.offload")
 
 MAX_PEER_STORES = 32  # peers' connections kept open (least recently named closed first)
+# the peer tier's counters the metrics export (worker/metrics.py): faults, objects rejected
+# by the codec or on the wire, object bytes received per transport
+PEER_COUNTERS = ("errors", "corrupt", "data_plane_bytes", "grpc_bytes")
 
 
 @dataclass
@@ -58,7 +62,11 @@ class KVOffloader:
         self.spec = spec
         self.page_nbytes = spec.page_nbytes
         self.peer_timeout_s = peer_timeout_s
-        self._peer_stores: dict[str, TieredStore] = {}  # hinted address -> its one-tier store
+        # hinted address -> its one-tier store, least recently named first (fetch thread)
+        self._peer_stores: OrderedDict[str, TieredStore] = OrderedDict()
+        # the counters of peer stores closed so far: a store's counts outlive it, so the
+        # exported totals never go down (Prometheus would read a drop as a reset)
+        self._closed_peer_counts = dict.fromkeys(PEER_COUNTERS, 0)
         self._peer_identity = None  # set_peer_auth: without it, no peer is contacted
         self._peer_tls = None
         self.max_spill_backlog = max_spill_backlog
@@ -181,23 +189,35 @@ class KVOffloader:
     def _peer_store(self, address: str) -> TieredStore:
         """The one-tier store of a peer (fetch thread only). At most ``MAX_PEER_STORES``
         are kept: workers that restart come back on new ports, and the oldest go."""
-        store = self._peer_stores.pop(address, None)
-        if store is None:
-            from kvmesh.kvstore.peer import PeerTier  # grpc only when a peer is named
+        store = self._peer_stores.get(address)
+        if store is not None:
+            with self._lock:  # a scrape may be reading the dict (peer_counters)
+                self._peer_stores.move_to_end(address)  # most recently used last
+            return store
+        from kvmesh.kvstore.peer import PeerTier  # grpc only when a peer is named
 
-            tls = self._peer_tls
-            tier = PeerTier(
-                [address],
-                identity=self._peer_identity,
-                timeout=self.peer_timeout_s,
-                credentials=tls.channel_credentials() if tls is not None else None,
-            )
-            store = TieredStore(self.spec, [tier])
-            while len(self._peer_stores) >= MAX_PEER_STORES:
-                oldest = next(iter(self._peer_stores))
-                self._peer_stores.pop(oldest).close()
-        self._peer_stores[address] = store  # most recently used last
+        tls = self._peer_tls
+        tier = PeerTier(
+            [address],
+            identity=self._peer_identity,
+            timeout=self.peer_timeout_s,
+            credentials=tls.channel_credentials() if tls is not None else None,
+        )
+        store = TieredStore(self.spec, [tier])
+        while len(self._peer_stores) >= MAX_PEER_STORES:
+            self._close_peer_store(next(iter(self._peer_stores)))
+        with self._lock:
+            self._peer_stores[address] = store
         return store
+
+    def _close_peer_store(self, address: str) -> None:
+        """Close a peer's store, its counters folded into the running totals first (in one
+        step under the lock, so a scrape sees them either in the store or in the totals)."""
+        with self._lock:
+            store = self._peer_stores.pop(address)
+            for k, v in _peer_counts(store).items():
+                self._closed_peer_counts[k] += v
+        store.close()
 
     def _fetch_run(
         self, store: TieredStore, hashes: list[bytes], on_device: list[bool]
@@ -268,8 +288,28 @@ class KVOffloader:
         return FetchResult(req, first_page, tiers, payloads)
 
     def peer_stores(self) -> list[TieredStore]:
-        """The one-tier stores of the peers requests have named so far (one per address)."""
-        return list(self._peer_stores.values())
+        """The one-tier stores of the peers requests have named lately (one per address, at
+        most ``MAX_PEER_STORES``)."""
+        with self._lock:
+            return list(self._peer_stores.values())
+
+    def peer_counters(self) -> dict[str, int] | None:
+        """The peer tier's ``PEER_COUNTERS`` summed over every peer store this offloader has
+        had, closed ones included, so none ever decreases; None before any request named a
+        peer. Any thread."""
+        with self._lock:
+            stores = list(self._peer_stores.values())
+            if not stores and not any(self._closed_peer_counts.values()):
+                return None
+            out = dict(self._closed_peer_counts)
+            for store in stores:
+                for k, v in _peer_counts(store).items():
+                    out[k] += v
+        return out
+
+    def peer_healthy(self) -> bool:
+        """False while a peer store's tier reports itself down (``PeerTier.healthy``)."""
+        return all(getattr(t, "healthy", True) for s in self.peer_stores() for t in s.tiers)
 
     @property
     def num_fetching(self) -> int:
@@ -297,9 +337,23 @@ class KVOffloader:
     def close(self) -> None:
         self._fetch_pool.shutdown(wait=False, cancel_futures=True)
         self._spill_pool.shutdown(wait=True)
-        for store in [self.store, *self._peer_stores.values()]:
-            if store is not None:
-                store.close()
+        if self.store is not None:
+            self.store.close()
+        while self._peer_stores:
+            self._close_peer_store(next(iter(self._peer_stores)))
+
+
+def _peer_counts(store: TieredStore) -> dict[str, int]:
+    """``PEER_COUNTERS`` of a peer's one-tier store."""
+    tier = store.tiers[0]
+    counts = store.metrics()[tier.name]
+    own = getattr(tier, "metrics", {})
+    return {
+        "errors": counts["errors"],
+        "corrupt": counts["corrupt"],
+        "data_plane_bytes": own.get("data_plane_bytes", 0),
+        "grpc_bytes": own.get("grpc_bytes", 0),
+    }
 
 
 class _StagingBuffers:

@@ -27,6 +27,9 @@ logger = logging.getLogger(__name__)
 # before PeerTier asks its DataPlane RPC again
 DATA_PLANE_RECHECK_S = 10.0
 MAX_PEERS = 8  # addresses one PeerTier may hold (a request names at most MAX_PEER_HINTS)
+# how long a failed peer counts as down (``PeerTier.healthy``) without failing again: a peer
+# no request names any more (a worker gone for good) must not keep the tier down forever
+DOWN_HOLD_S = 60.0
 
 
 class PeerAuthError(ValueError):
@@ -48,7 +51,9 @@ class PeerTier(Tier):
     deadline, a broken stream, on either path) gives misses, never an exception: pages that
     arrived whole are kept, one warning per incident (the next after it has answered again),
     ``metrics["errors"]`` counts every failed call, and the peer is skipped for
-    ``cooldown_s`` so a dead address costs no time. ``metrics["data_plane_pages"]`` /
+    ``cooldown_s`` so a dead address costs no time. ``healthy`` is False from a peer's fault
+    until it answers again, or until ``DOWN_HOLD_S`` pass without another fault (nobody asked
+    it). ``metrics["data_plane_pages"]`` /
     ``["grpc_pages"]`` count the pages each path delivered, ``["data_plane_bytes"]`` /
     ``["grpc_bytes"]`` their object bytes. Objects from the data plane are
     memoryviews into a reused receive pool (bytes-like, read by ``codec.decode`` as is; see
@@ -114,6 +119,7 @@ class PeerTier(Tier):
         self._lock = threading.Lock()
         self._failing_until: dict[str, float] = {}  # address -> end of its cooldown
         self._failing: set[str] = set()  # addresses in an incident (warned once)
+        self._last_fault: dict[str, float] = {}  # address in an incident -> its latest fault
         self._dp: dict[str, DataPlaneClient] = {}  # address -> its data plane, once known
         self._dp_recheck_at: dict[str, float] = {}  # address -> when to ask DataPlane again
         self.metrics: dict[str, int] = {
@@ -129,6 +135,14 @@ class PeerTier(Tier):
             "grpc_bytes": 0,
             "data_plane_fallbacks": 0,
         }
+
+    @property
+    def healthy(self) -> bool:
+        """False while a peer is down: from a failed call until it answers again, or until
+        ``DOWN_HOLD_S`` pass without another failed call. Exported as ``tier_up``."""
+        since = self._clock() - DOWN_HOLD_S
+        with self._lock:
+            return not any(t > since for t in self._last_fault.values())
 
     # ------------------------------------------------------------ Tier
 
@@ -391,7 +405,9 @@ class PeerTier(Tier):
             code, detail = "BAD_REPLY", str(err)
         with self._lock:
             self.metrics["errors"] += 1
-            self._failing_until[addr] = self._clock() + self.cooldown_s
+            now = self._clock()
+            self._failing_until[addr] = now + self.cooldown_s
+            self._last_fault[addr] = now
             first = addr not in self._failing
             self._failing.add(addr)
         if first:
@@ -406,6 +422,7 @@ class PeerTier(Tier):
             with self._lock:
                 self._failing.discard(addr)
                 self._failing_until.pop(addr, None)
+                self._last_fault.pop(addr, None)
             logger.info("peer %s answers again", addr)
 
 

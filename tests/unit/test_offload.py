@@ -95,3 +95,55 @@ def test_spill_backlog_counts_staging_slots_so_a_stalled_store_bounds_memory():
     finally:
         gate.set()
         off.close()
+
+
+def _peer_offloader():
+    from kvmesh.protos.security import ClusterIdentity
+
+    spec = PageSpec("ab12", "fp32", 2, 1, 4, 16, 64)
+    off = KVOffloader(None, spec, peer_timeout_s=0.5)
+    off.set_peer_auth(ClusterIdentity(b"offload-tests-cluster-secret-0123456789"), None)
+    return off
+
+
+def test_peer_counters_never_go_down_when_a_peer_store_is_closed(monkeypatch):
+    monkeypatch.setattr("kvmesh.worker.offload.MAX_PEER_STORES", 2)
+    off = _peer_offloader()
+    try:
+        assert off.peer_counters() is None  # no peer named yet: no peer series
+        first = off._peer_store("10.0.0.1:1")
+        first.tiers[0].metrics.update(errors=3, corrupt=1, grpc_bytes=500, data_plane_bytes=70)
+        second = off._peer_store("10.0.0.2:1")
+        second.tiers[0].metrics.update(errors=1, grpc_bytes=20)
+        before = off.peer_counters()
+        assert before == {"errors": 4, "corrupt": 1, "data_plane_bytes": 70, "grpc_bytes": 520}
+        assert off._peer_store("10.0.0.1:1") is first  # named again: now the most recent
+        assert off.peer_counters() == before
+        off._peer_store("10.0.0.3:1")  # a third peer: the least recently named (second) goes
+        assert len(off.peer_stores()) == 2 and second not in off.peer_stores()
+        assert off.peer_counters() == before  # its counts stay in the totals
+        first.tiers[0].metrics["errors"] += 1
+        assert off.peer_counters()["errors"] == before["errors"] + 1
+    finally:
+        off.close()
+
+
+def test_a_failing_peer_is_down_until_it_has_not_failed_for_a_while():
+    from kvmesh.kvstore.peer import tier as peer_tier
+
+    off = _peer_offloader()
+    now = [1000.0]
+    try:
+        store = off._peer_store("127.0.0.1:1")  # nothing listens there
+        tier = store.tiers[0]
+        tier._clock = lambda: now[0]
+        assert tier.healthy and off.peer_healthy()
+        assert tier.contains([b"\0" * 32]) == [False]  # refused: a fault
+        assert tier.metrics["errors"] == 1
+        assert not tier.healthy and not off.peer_healthy()
+        now[0] += peer_tier.DOWN_HOLD_S - 1
+        assert not tier.healthy
+        now[0] += 2  # nobody asked it again: no longer counted as down
+        assert tier.healthy and off.peer_healthy()
+    finally:
+        off.close()
