@@ -436,6 +436,7 @@ class LLMEngine:
 
     def _postprocess(self, reqs: list[Request], tokens: list[int], logprobs: list, errors: list):
         outputs = []
+        took: list[bool] = []  # per request: it took a token (a late failure may have)
         now = time.monotonic()
         for req, tok, lp, err in zip(reqs, tokens, logprobs, errors):
             if req.first_token_time is None:
@@ -444,14 +445,15 @@ class LLMEngine:
             if err is None:
                 try:
                     outputs.append(self._take_token(req, tok, lp))
-                    continue
                 except Exception as e:  # a detokenizer or stop-check failure is this request's
                     logger.exception("request %s failed after sampling", req.request_id)
                     err = f"{type(e).__name__} while processing its output: {e}"
-            # the token it failed on, if it was taken, is reported: token_ids match the usage
-            outputs.append(self._fail(req, err, req.output_token_ids[n_before:]))
+            if err is not None:
+                # the token it failed on, if it was taken, is reported: token_ids match the usage
+                outputs.append(self._fail(req, err, req.output_token_ids[n_before:]))
+            took.append(len(req.output_token_ids) > n_before)
         if self.metrics is not None:
-            self.metrics.on_step(reqs, now)
+            self.metrics.on_step(reqs, now, took)
         return outputs
 
     def _take_token(self, req: Request, tok: int, lp: float | None) -> RequestOutput:

@@ -141,14 +141,17 @@ class EngineMetrics:
 
     # ------------------------------------------------------------ engine thread
 
-    def on_step(self, reqs: Sequence[Request], now: float) -> None:
-        """Each of ``reqs`` sampled one token at ``now`` (some may have finished with it)."""
+    def on_step(self, reqs: Sequence[Request], now: float, took: Sequence[bool]) -> None:
+        """Each of ``reqs`` was sampled at ``now``; ``took[i]``: ``reqs[i]`` took its token
+        (one that failed may have taken it first: a detokenizer or stop-check error; that
+        token is in its output and usage, so it is counted here too). Some finished."""
         if not reqs:
             return
         n_tokens = 0
-        for req in reqs:
-            if req.status.value == "error":  # failed instead of taking a token (engine._fail)
-                self.on_finished(req, now)
+        for req, took_token in zip(reqs, took, strict=True):
+            if not took_token:  # failed instead of taking a token (engine._fail)
+                if req.status.finished:
+                    self.on_finished(req, now)
                 continue
             n_tokens += 1
             last = req.last_token_time

@@ -451,3 +451,43 @@ def test_engine_counts_every_request_once_aborts_included(smol_src):
     assert v("num_requests_running") == 0 and v("num_requests_waiting") == 0
     assert v("prefix_cache_queries_total") == 70
     eng.close()
+
+
+def test_a_token_taken_before_a_late_failure_is_counted_like_the_output(smol_src):
+    """A request that fails after taking its token (here its stop check raises on its third
+    token) reports that token in its output and usage; the metrics count it too."""
+    from kvmesh.worker.engine import LLMEngine
+    from kvmesh.worker.sampling_params import SamplingParams
+
+    eng = LLMEngine(MODEL, kv_cache_memory="32MiB")
+    reg = eng.metrics.registry
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    ok = eng.add_request(list(range(100, 120)), params)
+    bad = eng.add_request(list(range(200, 220)), params)
+    proc = eng.output_processor
+    check_stop = proc.check_stop
+
+    def failing_check_stop(req, tok):
+        if req.request_id == bad and len(req.output_token_ids) == 3:
+            raise RuntimeError("stop check broke")
+        return check_stop(req, tok)
+
+    proc.check_stop = failing_check_stop
+    outs: dict = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            outs[o.request_id] = o
+    assert outs[bad].finish_reason == "error" and len(outs[bad].token_ids) == 3
+    assert outs[ok].finish_reason == "length" and len(outs[ok].token_ids) == 5
+
+    def v(name: str, **labels) -> float:
+        got = reg.get_sample_value(
+            "kvmesh:" + name, {"model_name": eng.src.name, "worker": eng.engine_id, **labels}
+        )
+        return 0.0 if got is None else got
+
+    assert v("generation_tokens_total") == 5 + 3
+    assert v("request_generation_tokens_sum") == 5 + 3
+    assert v("request_success_total", finished_reason="error") == 1
+    assert v("inter_token_latency_seconds_count") == 4 + 2
+    eng.close()
