@@ -14,14 +14,21 @@ For one model geometry (SmolLM2-135M by default), every cache format's page layo
 With ``--engine`` (default on; ``--no-engine`` for the layout numbers only), each format
 also runs through the real engine on SmolLM2, with ``auto`` as the baseline in the same run:
 
-* perplexity on tinyshakespeare (``--ppl-windows`` windows of ``--context`` tokens, prefill
-  chunks of 256 through the cache, as ``kvmesh eval-ppl``) and its change against ``auto``;
+* perplexity on two texts, as ``kvmesh eval-ppl`` measures it (``--ppl-windows`` windows of
+  ``--context`` tokens, or as many as the text holds; prefill chunks of 256 through the cache),
+  and its change against ``auto``: tinyshakespeare (``../shared/data``), the text int4 was
+  first tuned on, and the GNU GPL v3 as Debian ships it (``/usr/share/common-licenses/GPL-3``,
+  in ``base-files``, an Essential package), English prose nothing in kvmesh was tuned on
+  (7 windows of 1,024 tokens);
 * decode throughput: ``--decode-prompts`` prompts of 128 tokens, ``--decode-tokens`` greedy
   output tokens each, submitted together; output tokens/s and the ratio to ``auto``.
 
 Prints one JSON object on stdout; progress goes to stderr.
 
     python bench/kv_formats.py [--ppl-windows 8] [--no-engine]
+
+``bench/kv_fake_quant.py`` is the fast companion: perplexity of int4 designs fake-quantized
+inside transformers' attention, for ablations and the plain KIVI reference.
 """
 
 from __future__ import annotations
@@ -56,7 +63,12 @@ def best_time(fn, repeat: int = 5) -> float:
     return best
 
 
-TEXT = Path(__file__).resolve().parents[1].parent / "shared/data/tinyshakespeare.txt"
+# name -> file; windows are cut from the start of each (worker.eval.window_token_ids)
+TEXTS = {
+    "tinyshakespeare": Path(__file__).resolve().parents[1].parent
+    / "shared/data/tinyshakespeare.txt",
+    "gpl3": Path("/usr/share/common-licenses/GPL-3"),
+}
 ENGINE_FORMATS = ("auto", "fp16", "fp8", "int8", "int4")
 
 
@@ -64,7 +76,7 @@ def engine_rows(args) -> dict:
     from kvmesh.worker import LLM, SamplingParams
     from kvmesh.worker.eval import evaluate_perplexity
 
-    text = TEXT.read_text()
+    texts = {name: path.read_text() for name, path in TEXTS.items()}
     rows: dict = {}
     for fmt in ENGINE_FORMATS:
         llm = LLM(
@@ -77,10 +89,13 @@ def engine_rows(args) -> dict:
         eng = llm.engine
         row: dict = {"bytes_per_token": eng.bytes_per_token, "bits_per_value": None}
         row["bits_per_value"] = eng.layout.bits_per_value
-        if args.ppl_windows:
-            res = evaluate_perplexity(eng, text, args.context, args.ppl_windows)
-            row["ppl"] = res.ppl
-        ids = eng.tokenizer.encode(text[100_000:200_000])
+        row["tokens_per_gib"] = int(2**30 / eng.bytes_per_token)
+        for name, text in texts.items() if args.ppl_windows else ():
+            held = len(eng.tokenizer.encode(text)) // args.context
+            res = evaluate_perplexity(eng, text, args.context, min(args.ppl_windows, held))
+            row[f"ppl_{name}"] = res.ppl
+            row[f"ppl_windows_{name}"] = res.windows
+        ids = eng.tokenizer.encode(texts["tinyshakespeare"][100_000:200_000])
         prompts = [ids[i * 128 : (i + 1) * 128] for i in range(args.decode_prompts)]
         params = SamplingParams(max_tokens=args.decode_tokens, temperature=0.0, ignore_eos=True)
         llm.generate(prompts[:2], SamplingParams(max_tokens=2))  # warm-up
@@ -92,8 +107,9 @@ def engine_rows(args) -> dict:
         del llm, eng
     base = rows["auto"]
     for row in rows.values():
-        if "ppl" in row:
-            row["ppl_change_vs_auto"] = row["ppl"] / base["ppl"] - 1
+        for name in TEXTS:
+            if f"ppl_{name}" in row:
+                row[f"ppl_change_vs_auto_{name}"] = row[f"ppl_{name}"] / base[f"ppl_{name}"] - 1
         row["decode_vs_auto"] = row["decode_tokens_per_s"] / base["decode_tokens_per_s"]
     return rows
 

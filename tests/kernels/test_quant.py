@@ -98,6 +98,39 @@ def test_int4_round_trip_within_half_a_step(monkeypatch):
     assert comps["k_scale"].shape == (n, H, D)
 
 
+def test_int4_bytes_follow_the_documented_formula(monkeypatch):
+    """docs/formats.md's int4 contract computed by hand for one page: zero = fp16(min),
+    scale = fp16((max - zero) / 15), q = floor((x - zero) / scale + 0.5), low nibble first.
+    Values follow the same formula once the clipping search is limited to its first factor
+    (1.0, the full range); the search itself is the round-trip test's subject."""
+    monkeypatch.setattr(quant, "INT4_V_CLIP_STEPS", 1)
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(1, 16, 1, 64, generator=g) * 3 + 5  # (n, bs, H, D)
+    v = torch.randn(1, 16, 1, 64, generator=g)
+    comps = quantize_pages("int4", k, v)
+
+    def expected(x, dim):
+        zero = x.amin(dim, keepdim=True).half()
+        scale = ((x.amax(dim, keepdim=True) - zero.float()) / 15).clamp_min(2**-14).half()
+        q = torch.floor((x - zero.float()) / scale.float() + 0.5).clamp(0, 15).to(torch.uint8)
+        return q, scale, zero
+
+    qk, sk, zk = expected(k, 1)  # per channel over the 16 tokens
+    assert torch.equal(comps["k_scale"], sk.squeeze(1)) and torch.equal(
+        comps["k_zero"], zk.squeeze(1)
+    )
+    assert torch.equal(comps["k"], (qk[..., 0::2] | (qk[..., 1::2] << 4)))
+    vg = v.view(1, 16, 1, 2, 32)  # per token, two groups of 32 dims
+    qv, sv, zv = expected(vg, -1)
+    assert torch.equal(comps["v_scale"], sv.squeeze(-1)) and torch.equal(
+        comps["v_zero"], zv.squeeze(-1)
+    )
+    qv = qv.view(1, 16, 1, 64)
+    assert torch.equal(comps["v"], (qv[..., 0::2] | (qv[..., 1::2] << 4)))
+    assert (qv.view(1, 16, 1, 2, 32).amax(-1) == 15).all()  # every group's max is a code 15
+    assert (qv.view(1, 16, 1, 2, 32).amin(-1) == 0).all()
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_zero_page_stays_zero(fmt):
     z = torch.zeros(1, 16, 2, 64)
