@@ -284,7 +284,7 @@ class RouterCore:
             return False
         logger.warning("worker %s (%s) removed: %s", worker_id, rec.name, reason)
         if self.metrics is not None:
-            self.metrics.on_removed(reason)
+            self.metrics.on_removed(worker_id, reason)
         self.removed.append(
             {"worker_id": worker_id, "name": rec.name, "reason": reason, "at": time.time()}
         )
@@ -324,8 +324,9 @@ class RouterCore:
     ) -> Decision:
         """Choose a worker for a request among the live ones (minus ``exclude``), record its
         pages there optimistically and count it in flight there until ``release``. Assigning
-        a request id again (a retry) moves its charge. Raises NoWorkerError when no worker is
-        left."""
+        a request id again (a retry) moves its charge. A call with ``exclude`` is a retry (the
+        excluded workers failed it): the metrics do not count its prompt again. Raises
+        NoWorkerError when no worker is left."""
         skip = set(exclude)
         loads = {wid: self.load_of(wid) for wid in self.workers if wid not in skip}
         if not loads:
@@ -338,7 +339,11 @@ class RouterCore:
         decision = pick_and_insert(self.index, self.policy, req, loads)
         if self.metrics is not None:
             self.metrics.on_decision(
-                decision, time.perf_counter() - t0, len(token_ids), self.block_size or 1
+                decision,
+                time.perf_counter() - t0,
+                len(token_ids),
+                self.block_size or 1,
+                retry=bool(skip),
             )
         chosen = decision.score(decision.worker_id)
         self.inflight.begin(

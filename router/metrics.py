@@ -77,6 +77,8 @@ class RouterMetrics:
             buckets=DECISION_BUCKETS,
             registry=reg,
         ).labels(*m)
+        # labelled by engine id, new on every restart: a dropped worker's series is removed
+        # (on_removed), so the label set stays that of the live workers
         self.routed = Counter(
             PREFIX + "router_requests",
             "Requests routed to each worker (retries included).",
@@ -84,12 +86,15 @@ class RouterMetrics:
             registry=reg,
         )
         self.prompt_tokens = Counter(
-            PREFIX + "router_prompt_tokens", "Prompt tokens routed.", ["model_name"], registry=reg
+            PREFIX + "router_prompt_tokens",
+            "Prompt tokens of the requests routed (once per request: retries not counted).",
+            ["model_name"],
+            registry=reg,
         ).labels(*m)
         matched = Counter(
             PREFIX + "router_matched_tokens",
-            "Prompt tokens the chosen worker could reuse at routing time, by the tier the "
-            "index placed them in.",
+            "Prompt tokens the chosen worker could reuse at a request's first routing, by the "
+            "tier the index placed them in.",
             ["model_name", "tier"],
             registry=reg,
         )
@@ -117,10 +122,22 @@ class RouterMetrics:
 
     # ------------------------------------------------------------ the core's loop
 
-    def on_decision(self, decision: Decision, seconds: float, num_tokens: int, block_size: int):
+    def on_decision(
+        self,
+        decision: Decision,
+        seconds: float,
+        num_tokens: int,
+        block_size: int,
+        *,
+        retry: bool = False,
+    ) -> None:
+        """A request was routed; ``retry``: again, after its worker failed. Its prompt and
+        matched tokens are counted at its first routing only, so they add up per request."""
         self.decisions.labels(self.model_name, decision.policy, decision.reason).inc()
         self.decision_seconds.observe(seconds)
         self.routed.labels(self.model_name, str(decision.worker_id)).inc()
+        if retry:
+            return
         self.prompt_tokens.inc(num_tokens)
         match = decision.score(decision.worker_id).match
         for tier in TIERS:
@@ -128,8 +145,12 @@ class RouterMetrics:
             if n:
                 self.matched[tier].inc(n * block_size)
 
-    def on_removed(self, reason: str) -> None:
+    def on_removed(self, worker_id: str, reason: str) -> None:
+        """A worker was dropped: counted by cause, and its ``router_requests`` series goes
+        (a restarted worker comes back under a new id; keeping every id would grow the label
+        set without bound)."""
         self.removed.labels(self.model_name, removal_cause(reason)).inc()
+        self.routed.remove(self.model_name, str(worker_id))  # a no-op if never routed to
 
     def on_resync(self, status: str) -> None:
         self.resyncs.labels(self.model_name, status).inc()

@@ -90,6 +90,48 @@ def test_router_metrics_count_decisions_matches_and_removals():
     assert value(reg, "kvmesh:router_resyncs_total", status="unknown") == 1
 
 
+def _series(registry, worker: str) -> set[str]:
+    """Names of the samples labelled with this worker."""
+    return {n for (n, ls), _ in samples(registry).items() if ("worker", worker) in ls}
+
+
+def test_a_retried_request_counts_its_prompt_once():
+    core = RouterCore(model_fp=FP, seed=0)
+    m = RouterMetrics(core, model_name="m")
+    core.metrics = m
+    prompt = list(range(4 * BS + 3))
+    hs = hash_pages(prompt, BS, FP)
+    core.register(_info("a", hs[:3]))
+    core.register(_info("b", hs[:1]))
+    assert core.assign("r1", prompt, hs).worker_id == "a"
+    core.remove_worker("a", "Generate failed: UNAVAILABLE")  # what the router service does
+    assert core.assign("r1", prompt, hs, exclude=["a"]).worker_id == "b"  # the retry
+    reg = m.registry
+    assert value(reg, "kvmesh:router_decisions_total") == 2  # every routing attempt
+    assert value(reg, "kvmesh:router_requests_total", worker="b") == 1
+    assert value(reg, "kvmesh:router_prompt_tokens_total") == len(prompt)  # one request
+    assert value(reg, "kvmesh:router_matched_tokens_total") == 3 * BS  # its first routing
+
+
+def test_a_dropped_workers_series_disappear():
+    core = RouterCore(model_fp=FP, seed=0)
+    m = RouterMetrics(core, model_name="m")
+    core.metrics = m
+    prompt = list(range(2 * BS))
+    hs = hash_pages(prompt, BS, FP)
+    core.register(_info("a", hs))
+    core.register(_info("b", []))
+    assert core.assign("r1", prompt, hs).worker_id == "a"
+    core.release("r1")
+    reg = m.registry
+    assert "kvmesh:router_requests_total" in _series(reg, "a")
+    assert "kvmesh:router_worker_info" in _series(reg, "a")
+    core.remove_worker("a", "replaced by a-2")  # restarted under a new engine id
+    assert _series(reg, "a") == set()
+    assert "kvmesh:router_worker_info" in _series(reg, "b")
+    assert value(reg, "kvmesh:router_workers_removed_total", cause="restarted") == 1
+
+
 def test_removal_causes():
     assert removal_cause("replaced by w-2 (the worker restarted)") == "restarted"
     assert removal_cause("Generate failed: UNAVAILABLE x") == "unavailable"
