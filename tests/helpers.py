@@ -121,6 +121,31 @@ def restart_router(cluster, timeout: float = 120.0) -> bool:
     return wait_until(restarted, timeout=timeout)
 
 
+def register_worker(
+    router,
+    *,
+    worker_id: str,
+    address: str,
+    model_fp: str,
+    block_size: int,
+    name: str = "test-worker",
+) -> None:
+    """Register a worker with an in-process ``RouterServer`` the way the Ray shell does (the
+    core's ``register``, on the router's loop), with no pages and no load yet. The router's
+    core should be built with a long ``report_timeout_s``: nothing reports for this worker."""
+    info = {
+        "worker_id": worker_id,
+        "name": name,
+        "address": address,
+        "model_fp": model_fp,
+        "block_size": block_size,
+        "next_seq": 0,
+        "pages": {},
+        "load": None,
+    }
+    router.call(router.core.register, info)
+
+
 def member_channel(address: str, identity: ClusterIdentity = TEST_IDENTITY):
     """A plaintext grpc channel whose every call carries ``identity``'s credential: a test
     that talks to KVTransfer (or GetLoad) as a cluster member would."""

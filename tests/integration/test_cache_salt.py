@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from helpers import hf_greedy
+from helpers import hf_greedy, register_worker
 
 from kvmesh.cluster import Client, InvalidArgument
 from kvmesh.kvstore.hashing import hash_pages
@@ -54,17 +54,14 @@ def cluster(smol_src):
     core = RouterCore(report_timeout_s=3600.0, optimistic_ttl_s=600.0)
     router = RouterServer(core, tokenize=eng.tokenizer.encode)
     router.start_in_thread()
-    info = {
-        "worker_id": worker.worker_id,
-        "name": "salt-worker",
-        "address": worker.address,
-        "model_fp": eng.model_fp,
-        "block_size": BS,
-        "next_seq": 0,
-        "pages": {},
-        "load": None,
-    }
-    router.call(core.register, info)
+    register_worker(
+        router,
+        worker_id=worker.worker_id,
+        address=worker.address,
+        model_fp=eng.model_fp,
+        block_size=BS,
+        name="salt-worker",
+    )
     yield worker, router, events
     router.stop_in_thread(grace=0)
     worker.stop_in_thread(grace=0)

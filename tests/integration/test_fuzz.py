@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from helpers import hf_greedy, wait_until
+from helpers import hf_greedy, register_worker, wait_until
 
 from kvmesh.cluster import AsyncClient, Client, Unavailable
 from kvmesh.protos.kvmesh.v1 import inference_pb2 as ipb
@@ -62,17 +62,14 @@ def router(worker):
     core = RouterCore(report_timeout_s=3600.0)
     srv = RouterServer(core, tokenize=eng.tokenizer.encode)
     srv.start_in_thread()
-    info = {
-        "worker_id": worker.worker_id,
-        "name": "fuzz-worker",
-        "address": worker.address,
-        "model_fp": eng.model_fp,
-        "block_size": eng.cache_config.block_size,
-        "next_seq": 0,
-        "pages": {},
-        "load": None,
-    }
-    srv.call(core.register, info)
+    register_worker(
+        srv,
+        worker_id=worker.worker_id,
+        address=worker.address,
+        model_fp=eng.model_fp,
+        block_size=eng.cache_config.block_size,
+        name="fuzz-worker",
+    )
     yield srv
     srv.stop_in_thread(grace=0)
 

@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 from helpers import TEST_IDENTITY as ID
+from helpers import register_worker
 
 from kvmesh.cluster import Client
 from kvmesh.cluster.serve import ClusterConfig
@@ -104,17 +105,14 @@ def router(worker, pki):
         http_port=0,
     )
     srv.start_in_thread()
-    info = {
-        "worker_id": worker.worker_id,
-        "name": "http-tls-worker",
-        "address": worker.address,
-        "model_fp": eng.model_fp,
-        "block_size": eng.cache_config.block_size,
-        "next_seq": 0,
-        "pages": {},
-        "load": None,
-    }
-    srv.call(core.register, info)
+    register_worker(
+        srv,
+        worker_id=worker.worker_id,
+        address=worker.address,
+        model_fp=eng.model_fp,
+        block_size=eng.cache_config.block_size,
+        name="http-tls-worker",
+    )
     yield srv
     srv.stop_in_thread(grace=0)
 

@@ -12,6 +12,7 @@ import subprocess
 
 import pytest
 from helpers import TEST_IDENTITY as ID
+from helpers import register_worker
 
 from kvmesh.cluster import Client
 from kvmesh.cluster.client import Unauthenticated, Unavailable
@@ -95,17 +96,14 @@ def router(worker, pki):
         tls=TLSConfig.from_files(pki / "server.pem", pki / "server.key", ca=pki / "ca.pem"),
     )
     srv.start_in_thread()
-    info = {
-        "worker_id": worker.worker_id,
-        "name": "tls-worker",
-        "address": worker.address,
-        "model_fp": eng.model_fp,
-        "block_size": eng.cache_config.block_size,
-        "next_seq": 0,
-        "pages": {},
-        "load": None,
-    }
-    srv.call(core.register, info)
+    register_worker(
+        srv,
+        worker_id=worker.worker_id,
+        address=worker.address,
+        model_fp=eng.model_fp,
+        block_size=eng.cache_config.block_size,
+        name="tls-worker",
+    )
     yield srv
     srv.stop_in_thread(grace=0)
 
