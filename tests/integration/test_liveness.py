@@ -7,6 +7,7 @@ of hanging."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -14,7 +15,7 @@ import sys
 import threading
 
 import pytest
-from helpers import free_port, wait_until
+from helpers import free_port, register_worker, wait_until
 
 from kvmesh.cluster import Client
 from kvmesh.cluster.client import DeadlineExceeded, KvmeshError, Unavailable
@@ -22,7 +23,7 @@ from kvmesh.protos.security import ClusterIdentity
 from kvmesh.router.core import RouterCore
 from kvmesh.router.service import RouterServer
 
-WORKER_DEADLINE_S = 6  # the worker's --request-timeout
+WORKER_DEADLINE_S = 6  # --request-timeout of the deadline test's own worker
 LONG = dict(temperature=0.0, max_tokens=4000, ignore_eos=True)  # minutes on this CPU
 PROMPT = [1, 504, 3458, 282, 260, 1345, 30]
 BOUND_S = 60  # generous: a hang is what these tests catch, not a latency
@@ -35,17 +36,20 @@ def secret_file(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module")
-def worker(smol_src, secret_file):
-    """A worker process of its own (so that it can be frozen)."""
+@contextlib.contextmanager
+def worker_process(secret_file, request_timeout: float | None = None):
+    """A ``kvmesh worker`` process of its own (so that it can be frozen); without a
+    ``request_timeout``, the default one (an hour): only the test that is about the
+    deadline gets a short one, the others must see UNAVAILABLE, never DEADLINE_EXCEEDED."""
     port = free_port()
     cmd = [
         sys.executable, "-m", "kvmesh.cluster.cli", "worker",
         "--host", "127.0.0.1", "--port", str(port),
         "--cluster-secret-file", str(secret_file),
-        "--request-timeout", str(WORKER_DEADLINE_S),
         "--kv-cache-memory", "64MiB", "--grace-period", "0",
     ]  # fmt: skip
+    if request_timeout is not None:
+        cmd += ["--request-timeout", str(request_timeout)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     address = f"127.0.0.1:{port}"
     try:
@@ -71,28 +75,30 @@ def worker(smol_src, secret_file):
             proc.wait(30)
 
 
+@pytest.fixture(scope="module")
+def worker(smol_src, secret_file):
+    """The worker of every test but the worker-deadline one, with the default deadline."""
+    with worker_process(secret_file) as w:
+        yield w
+
+
 def start_router(worker, secret_file, **kw) -> tuple[RouterServer, RouterCore]:
     _, address, info = worker
     core = RouterCore(report_timeout_s=3600.0)  # no Ray shell: it must not expire
     srv = RouterServer(core, identity=ClusterIdentity.from_file(secret_file), **kw)
     srv.start_in_thread()
-    register(srv, core, address, info)
+    register(srv, address, info)
     return srv, core
 
 
-def register(srv: RouterServer, core: RouterCore, address: str, info) -> None:
-    srv.call(
-        core.register,
-        {
-            "worker_id": info.worker_id,
-            "name": "liveness-worker",
-            "address": address,
-            "model_fp": info.fingerprint,
-            "block_size": info.block_size,
-            "next_seq": 0,
-            "pages": {},
-            "load": None,
-        },
+def register(srv: RouterServer, address: str, info) -> None:
+    register_worker(
+        srv,
+        worker_id=info.worker_id,
+        address=address,
+        model_fp=info.fingerprint,
+        block_size=info.block_size,
+        name="liveness-worker",
     )
 
 
@@ -132,9 +138,11 @@ class Stream:
         return not self.thread.is_alive()
 
 
-def test_a_generate_without_a_deadline_ends_at_the_workers_default(worker):
-    _, address, _ = worker
-    with Client(address, retries=0) as c:  # no timeout of its own
+def test_a_generate_without_a_deadline_ends_at_the_workers_default(smol_src, secret_file):
+    with (
+        worker_process(secret_file, request_timeout=WORKER_DEADLINE_S) as (_, address, _),
+        Client(address, retries=0) as c,  # no timeout of its own
+    ):
         s = Stream(c, **LONG)
         assert s.ended(WORKER_DEADLINE_S + BOUND_S)
     assert isinstance(s.error, DeadlineExceeded), s.error
@@ -162,14 +170,14 @@ def test_a_worker_dropped_as_dead_has_its_streams_cut_at_once(worker, router):
         assert s.ended()
     assert isinstance(s.error, Unavailable) and "dead" in s.error.details, s.error
     # the control: a worker that leaves by itself (draining) finishes what it runs
-    register(srv, core, address, info)
+    register(srv, address, info)
     with Client(srv.address, retries=0) as c:
         s = Stream(c, temperature=0.0, max_tokens=24, ignore_eos=True)
         assert s.first.wait(BOUND_S) and s.error is None
         srv.call(core.remove_worker, info.worker_id, "test: leaving")
         assert s.ended()
     assert s.error is None and s.finish_reason == "length"
-    register(srv, core, address, info)
+    register(srv, address, info)
 
 
 def test_a_frozen_worker_host_ends_its_streams_with_unavailable(worker, router):
