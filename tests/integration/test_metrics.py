@@ -491,3 +491,38 @@ def test_a_token_taken_before_a_late_failure_is_counted_like_the_output(smol_src
     assert v("request_success_total", finished_reason="error") == 1
     assert v("inter_token_latency_seconds_count") == 4 + 2
     eng.close()
+
+
+def test_peer_tier_series_survive_a_closed_peer_and_show_it_down(smol_src, monkeypatch):
+    """The exported peer counters are totals over every peer the worker fetched from: closing
+    the least recently named one (there is room for MAX_PEER_STORES) takes nothing away; a
+    peer whose call failed shows as tier_up 0."""
+    from kvmesh.protos.security import ClusterIdentity
+    from kvmesh.worker.engine import LLMEngine
+
+    monkeypatch.setattr("kvmesh.worker.offload.MAX_PEER_STORES", 1)
+    eng = LLMEngine(MODEL, kv_cache_memory="32MiB")
+    reg = eng.metrics.registry
+    off = eng.connector.offloader
+    off.set_peer_auth(ClusterIdentity(b"metrics-tests-cluster-secret-0123456789"), None)
+
+    def v(name: str, **labels) -> float | None:
+        return reg.get_sample_value(
+            "kvmesh:" + name, {"model_name": eng.src.name, "worker": eng.engine_id, **labels}
+        )
+
+    try:
+        assert v("tier_up", tier="peer") is None  # no peer named yet
+        first = off._peer_store("127.0.0.1:1")  # nothing listens there
+        assert first.tiers[0].contains([b"\0" * 32]) == [False]  # refused: one fault
+        first.tiers[0].metrics["grpc_bytes"] += 100
+        assert v("tier_errors_total", tier="peer") == 1
+        assert v("peer_transfer_bytes_total", transport="grpc") == 100
+        assert v("tier_up", tier="peer") == 0
+        off._peer_store("127.0.0.1:2")  # the first peer's store is closed
+        assert off.peer_stores() == [off._peer_store("127.0.0.1:2")]
+        assert v("tier_errors_total", tier="peer") == 1
+        assert v("peer_transfer_bytes_total", transport="grpc") == 100
+        assert v("tier_up", tier="peer") == 1  # the peer named now has not failed
+    finally:
+        eng.close()
