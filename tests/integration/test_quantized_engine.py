@@ -143,3 +143,41 @@ def test_unknown_cache_dtype_names_the_accepted_ones():
     with pytest.raises(ValueError, match="int4") as e:
         LLM("smollm2-135m-instruct", kv_cache_dtype="int3")
     assert "int3" in str(e.value)
+
+
+# The unseen text of issue 23: the GNU GPL v3 as Debian ships it, in base-files, an Essential
+# package (on every Debian or Ubuntu machine, this one's image included). English prose that
+# nothing in kvmesh's quantizer was tuned on (tinyshakespeare was). eval-ppl cuts windows
+# from its start; it holds 7 of 1,024 tokens (7,161 predicted tokens, docs/formats.md).
+GPL3 = "/usr/share/common-licenses/GPL-3"
+UNSEEN_WINDOWS = 7
+UNSEEN_TARGET = 0.008  # issue 23's bound for int4 on unseen text: not met here yet
+# int4 measured +2.03% here (19.6273 -> 20.0267). The same quantizer moves by up to ~0.7
+# points between float roundings of K/V on this text (docs/formats.md, run-to-run noise), so
+# the guard sits about that far above it. It still fails for a real defect: 2-bit keys cost
+# +31% here, a wrong scale far more.
+UNSEEN_GUARD = 0.03
+
+
+def _eval_ppl(capsys, fmt: str) -> float:
+    import json
+
+    from kvmesh.cluster.cli import main
+
+    argv = ["eval-ppl", "--text", GPL3, "--context", "1024", "--windows", str(UNSEEN_WINDOWS)]
+    assert main([*argv, "--kv-cache-dtype", fmt, "--json"]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["ppl"]
+
+
+def test_int4_perplexity_on_a_text_it_was_not_tuned_on(capsys):
+    """``kvmesh eval-ppl --kv-cache-dtype int4`` against fp32 (``auto``) on the unseen text:
+    within UNSEEN_GUARD, or the test fails; over issue 23's UNSEEN_TARGET it is reported as an
+    expected failure naming the cost, and it passes once a change meets the target."""
+    from pathlib import Path
+
+    if not Path(GPL3).is_file():
+        pytest.fail(f"{GPL3} is missing: it ships in Debian's base-files package")
+    change = _eval_ppl(capsys, "int4") / _eval_ppl(capsys, "auto") - 1
+    assert change <= UNSEEN_GUARD, f"int4 costs {change:+.2%} perplexity on {GPL3}"
+    if change > UNSEEN_TARGET:
+        pytest.xfail(f"int4 costs {change:+.2%} on {GPL3}, over the {UNSEEN_TARGET:.1%} target")
