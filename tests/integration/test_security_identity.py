@@ -102,8 +102,7 @@ def reference(smol_llm, prompts):
     return [o.token_ids for o in smol_llm.generate(prompts, SamplingParams(**GREEDY))]
 
 
-@pytest.fixture(scope="module")
-def hostile(worker, prompts):
+def _start_hostile(worker, prompts) -> HostilePeer:
     """Forged pages (random KV, valid codec objects of the worker's spec) under the page
     hashes of every prompt."""
     eng = worker.engine.engine
@@ -116,6 +115,21 @@ def hostile(worker, prompts):
             tier.put([(h, encode(spec, payload))])
     peer = HostilePeer(CountingSource(tier))
     peer.start()
+    return peer
+
+
+@pytest.fixture(scope="module")
+def hostile(worker, prompts):
+    peer = _start_hostile(worker, prompts)
+    yield peer
+    peer.stop()
+
+
+@pytest.fixture
+def fresh_hostile(worker, prompts):
+    """A hostile peer at an address the worker never met: the module's one is in the worker's
+    failure cooldown after a test it failed, and would not be asked at all."""
+    peer = _start_hostile(worker, prompts)
     yield peer
     peer.stop()
 
@@ -163,13 +177,13 @@ def test_a_member_naming_a_peer_that_cannot_prove_the_secret_gets_no_page(
 
 
 def test_control_without_the_proof_check_the_forged_pages_poison_the_output(
-    worker, hostile, prompts, reference, monkeypatch
+    worker, fresh_hostile, prompts, reference, monkeypatch
 ):
     """Shows what the check above prevents: believing any peer, the worker caches the
     forged pages and answers wrongly (a fresh prompt: the first is computed and cached)."""
     monkeypatch.setattr(ClusterIdentity, "verify_server", lambda self, nonce, md: True)
     with member_channel(worker.address) as ch:
-        msgs = generate(ch, prompts[1], [hostile.address], "control-believes-anyone")
+        msgs = generate(ch, prompts[1], [fresh_hostile.address], "control-believes-anyone")
     assert msgs[-1].usage.cached_tokens_by_tier.get("peer", 0) >= 64
     assert tokens(msgs) != reference[1]
 
