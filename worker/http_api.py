@@ -50,6 +50,12 @@ class EngineBackend:
         self.tokenizer = e.tokenizer
         self.worker_id = e.engine_id
 
+    def release(self) -> None:
+        """Drop the engine once the HTTP server has stopped: FastAPI caches its endpoints
+        (and so this backend) for the process's life, which must not keep a model and its
+        KV pool alive after the worker is gone."""
+        self.aeng = None
+
     def unavailable(self) -> str | None:
         if self.life.draining:
             return "the worker is shutting down"

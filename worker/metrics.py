@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -199,16 +200,29 @@ class EngineMetrics:
             self.promotion[slowest].observe(seconds)
 
 
+class _EngineGone(Exception):
+    """The engine a collector reads was closed and collected: it exports nothing."""
+
+
 class _EngineCollector(Collector):
     """Scrape-time metrics read from the engine's own counters."""
 
     def __init__(self, engine: LLMEngine, labels: dict[str, str]) -> None:
-        self.engine = engine
+        # weak: a registry outlives its engine wherever a /metrics route or server keeps it
+        # (FastAPI caches its endpoints' closures), and must not keep a model and a KV pool
+        self._engine = weakref.ref(engine)
         self.names = list(labels)
         self.values = list(labels.values())
 
     def describe(self):  # no describe-time collect: the engine may be busy on its thread
         return []
+
+    @property
+    def engine(self) -> LLMEngine:
+        engine = self._engine()
+        if engine is None:
+            raise _EngineGone
+        return engine
 
     def _stats(self):
         """The engine's stats: the driver's after its latest step when an AsyncEngine steps
@@ -228,7 +242,11 @@ class _EngineCollector(Collector):
         return cls(PREFIX + name, doc, labels=[*self.names, *extra])
 
     def collect(self):
-        e, v = self.engine, self.values
+        try:
+            e = self.engine
+        except _EngineGone:
+            return
+        v = self.values
         s = self._stats()
         if s is not None:
             for kind, name, doc, value in (

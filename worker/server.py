@@ -343,6 +343,7 @@ class WorkerServer:
             await asyncio.to_thread(dp.stop)  # what is still in flight ends: clients see misses
         if self.http is not None:
             await self.http.stop()  # its requests were drained with the gRPC ones
+            self.http_app.state.backend.release()
         await self._server.stop(None)
         if self.metrics_server is not None:
             await asyncio.to_thread(self.metrics_server.stop)
