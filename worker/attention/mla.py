@@ -1,0 +1,101 @@
+"""The attention backend of multi-head latent attention models (``models.deepseek``).
+
+The step's new latent rows are written to the latent pages first; then single-token rows
+(decode) attend in the absorbed form over the latent pages only (``kernels.mla_attention``:
+Triton on CUDA, the torch twin elsewhere), and each prefill chunk expands its context's
+latents into per-head K and V. A chunk with nothing cached reads its own rows back through
+the cache dtype, so a later prefix-cache hit sees the very same keys.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvmesh.kernels.mla_attention import (
+    absorb_output,
+    absorb_query,
+    mla_decode,
+    mla_decode_torch,
+    mla_prefill_torch,
+    write_latent,
+)
+from kvmesh.worker.attention.base import AttentionBackend, AttentionMetadata, LayerCache
+
+
+class MLABackend(AttentionBackend):
+    """``forward_mla`` replaces ``forward``: the model hands over latents, not K and V.
+    ``kernel="auto"`` picks Triton for CUDA tensors; ``"torch"`` forces the reference."""
+
+    name = "mla"
+
+    def __init__(self, kernel: str = "auto"):
+        if kernel not in ("auto", "torch"):
+            raise ValueError(f"MLA decode kernel must be 'auto' or 'torch', got {kernel!r}")
+        self._decode = mla_decode if kernel == "auto" else mla_decode_torch
+        self._meta: AttentionMetadata | None = None
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        if meta.residual_slots is not None:
+            raise ValueError("MLA latent pages take float formats only (no residual slots)")
+        self._meta = meta
+        dev = meta.slot_mapping.device
+        self._prefill = []
+        for span in meta.prefills:
+            mask = None
+            if span.context_len != span.q_len:  # cached keys first: causal by position
+                kpos = torch.arange(span.context_len, device=dev)
+                qpos = torch.arange(span.context_len - span.q_len, span.context_len, device=dev)
+                mask = kpos[None, :] <= qpos[:, None]  # (q_len, ctx)
+            self._prefill.append((span, mask))
+
+    def forward(self, q, k, v, cache: LayerCache, scale):
+        raise TypeError("an MLA model's cache holds latents: its attention calls forward_mla")
+
+    def forward_mla(
+        self,
+        q_nope: torch.Tensor,  # (T, H, nope)
+        q_pe: torch.Tensor,  # (T, H, rope), rotated
+        latent: torch.Tensor,  # (T, rank + rope): [c_kv normed, k_pe rotated]
+        cache: LayerCache,
+        *,
+        w_uk: torch.Tensor,  # (H, nope, rank)
+        w_uv: torch.Tensor,  # (H, v, rank)
+        scale: float,
+    ) -> torch.Tensor:
+        """Store the latents at the step's slots (mutates the cache), then attention:
+        (T, H, v)."""
+        meta = self._meta
+        assert meta is not None, "prepare() must be called before forward_mla()"
+        lc = cache.views["latent"]  # (P, bs, rank + rope)
+        write_latent(lc, latent, meta.slot_mapping)
+        T, H, _ = q_nope.shape
+        rank = w_uk.shape[-1]
+        out = q_nope.new_empty((T, H, w_uv.shape[1]))
+        nd = meta.num_decode
+        if nd:
+            q_abs = absorb_query(q_nope[:nd], q_pe[:nd], w_uk)  # (nd, H, rank + rope)
+            o_lat = self._decode(
+                q=q_abs,
+                latent_cache=lc,
+                block_tables=meta.decode_block_tables,
+                context_lens=meta.decode_context_lens,
+                kv_rank=rank,
+                scale=scale,
+            )  # (nd, H, rank)
+            out[:nd] = absorb_output(o_lat, w_uv)
+        for span, mask in self._prefill:
+            s, n = span.start, span.q_len
+            if mask is None:  # nothing cached: the chunk's own rows, as the cache holds them
+                rows = latent[s : s + n].to(lc.dtype)
+            else:
+                rows = lc.index_select(0, span.block_table).flatten(0, 1)[: span.context_len]
+            out[s : s + n] = mla_prefill_torch(
+                q_nope=q_nope[s : s + n],
+                q_pe=q_pe[s : s + n],
+                latent=rows,
+                w_uk=w_uk,
+                w_uv=w_uv,
+                scale=scale,
+                mask=mask,
+            )
+        return out
