@@ -16,6 +16,7 @@ from helpers import hf_greedy
 from kvmesh.kvstore.codec import decode
 from kvmesh.kvstore.redis_tier import redis_key
 from kvmesh.worker import LLM, SamplingParams
+from kvmesh.worker.attention.mla import MLABackend
 
 VOCAB = 512
 COMMON = dict(
@@ -96,6 +97,21 @@ def test_mla_matches_transformers_chunked_batched(ckpt):
         outs = llm.generate(prompts, GREEDY)
         for ids, out in zip(prompts, outs):
             assert out.token_ids == hf_greedy(hf, ids, GREEDY.max_tokens), (name, len(ids))
+    finally:
+        llm.close()
+
+
+def test_triton_latent_decode_in_the_engine(ckpt):
+    """The engine's decode through the Triton latent kernel (interpreted on CPU) gives
+    transformers' tokens too."""
+    name, path, hf = ckpt
+    llm = LLM(str(path), dtype="float32", num_pages=32, block_size=16)
+    try:
+        llm.engine.runner.backend = MLABackend("triton")
+        prompts = _prompts(2, (6, 37))
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        for ids, out in zip(prompts, llm.generate(prompts, params)):
+            assert out.token_ids == hf_greedy(hf, ids, 6), (name, len(ids))
     finally:
         llm.close()
 

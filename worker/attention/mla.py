@@ -16,6 +16,7 @@ from kvmesh.kernels.mla_attention import (
     absorb_query,
     mla_decode,
     mla_decode_torch,
+    mla_decode_triton,
     mla_prefill_torch,
     write_latent,
 )
@@ -24,14 +25,18 @@ from kvmesh.worker.attention.base import AttentionBackend, AttentionMetadata, La
 
 class MLABackend(AttentionBackend):
     """``forward_mla`` replaces ``forward``: the model hands over latents, not K and V.
-    ``kernel="auto"`` picks Triton for CUDA tensors; ``"torch"`` forces the reference."""
+    ``kernel="auto"`` picks Triton for CUDA tensors and the torch twin elsewhere; ``"torch"``
+    forces the reference, ``"triton"`` the Triton kernel (on CPU only under
+    ``TRITON_INTERPRET=1``: the tests)."""
 
     name = "mla"
 
     def __init__(self, kernel: str = "auto"):
-        if kernel not in ("auto", "torch"):
-            raise ValueError(f"MLA decode kernel must be 'auto' or 'torch', got {kernel!r}")
-        self._decode = mla_decode if kernel == "auto" else mla_decode_torch
+        kernels = {"auto": mla_decode, "torch": mla_decode_torch, "triton": mla_decode_triton}
+        if kernel not in kernels:
+            raise ValueError(f"MLA decode kernel must be one of {sorted(kernels)}, got {kernel!r}")
+        self.kernel = kernel
+        self._decode = kernels[kernel]
         self._meta: AttentionMetadata | None = None
 
     def prepare(self, meta: AttentionMetadata) -> None:
