@@ -74,20 +74,10 @@ class MLABackend(AttentionBackend):
         lc = cache.views["latent"]  # (P, bs, rank + rope)
         write_latent(lc, latent, meta.slot_mapping)
         T, H, _ = q_nope.shape
-        rank = w_uk.shape[-1]
         out = q_nope.new_empty((T, H, w_uv.shape[1]))
         nd = meta.num_decode
         if nd:
-            q_abs = absorb_query(q_nope[:nd], q_pe[:nd], w_uk)  # (nd, H, rank + rope)
-            o_lat = self._decode(
-                q=q_abs,
-                latent_cache=lc,
-                block_tables=meta.decode_block_tables,
-                context_lens=meta.decode_context_lens,
-                kv_rank=rank,
-                scale=scale,
-            )  # (nd, H, rank)
-            out[:nd] = absorb_output(o_lat, w_uv)
+            out[:nd] = self.decode(q_nope[:nd], q_pe[:nd], lc, w_uk=w_uk, w_uv=w_uv, scale=scale)
         for span, mask in self._prefill:
             s, n = span.start, span.q_len
             if mask is None:  # nothing cached: the chunk's own rows, as the cache holds them
@@ -104,3 +94,17 @@ class MLABackend(AttentionBackend):
                 mask=mask,
             )
         return out
+
+    def decode(self, q_nope, q_pe, latent_cache, *, w_uk, w_uv, scale) -> torch.Tensor:
+        """The step's single-token rows (nd, H, *) in the absorbed form: (nd, H, v)."""
+        meta = self._meta
+        q_abs = absorb_query(q_nope, q_pe, w_uk)  # (nd, H, rank + rope)
+        o_lat = self._decode(
+            q=q_abs,
+            latent_cache=latent_cache,
+            block_tables=meta.decode_block_tables,
+            context_lens=meta.decode_context_lens,
+            kv_rank=w_uk.shape[-1],
+            scale=scale,
+        )  # (nd, H, rank)
+        return absorb_output(o_lat, w_uv)
