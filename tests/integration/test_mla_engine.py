@@ -217,3 +217,29 @@ def test_loader_is_strict_about_mla_weights(tmp_path):
     save_file(tensors, f, metadata={"format": "pt"})
     with pytest.raises(ValueError, match="unexpected weight keys"):
         LLM(str(tmp_path), dtype="float32", num_pages=8)
+
+
+def test_deepseek_v2_checkpoint_matches_transformers(tmp_path):
+    """A checkpoint of transformers' ``DeepseekV2ForCausalLM`` (complex-number rotary on
+    interleaved pairs; YaRN with DeepSeek-V2's mscale = mscale_all_dim = 0.707)."""
+    import transformers
+
+    kw = {**COMMON, "q_lora_rank": None, "max_position_embeddings": 128}
+    kw["rope_scaling"] = {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 32,
+        "mscale": 0.707,
+        "mscale_all_dim": 0.707,
+    }
+    torch.manual_seed(0)
+    hf = transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(**kw)).eval()
+    hf.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", num_pages=32, block_size=8, max_num_batched_tokens=24)
+    try:
+        assert llm.engine.model_config.architecture == "deepseek_v2"
+        prompts = _prompts(4, (11, 45))
+        for ids, out in zip(prompts, llm.generate(prompts, GREEDY)):
+            assert out.token_ids == hf_greedy(hf, ids, GREEDY.max_tokens), len(ids)
+    finally:
+        llm.close()
