@@ -243,3 +243,42 @@ def test_deepseek_v2_checkpoint_matches_transformers(tmp_path):
             assert out.token_ids == hf_greedy(hf, ids, GREEDY.max_tokens), len(ids)
     finally:
         llm.close()
+
+
+def test_latent_pages_travel_over_the_peer_data_plane(ckpt):
+    """Worker B pulls the latent pages of a prefix worker A computed over A's page data
+    plane: same tokens as transformers, only the rest computed."""
+    from helpers import TEST_IDENTITY as ID
+
+    from kvmesh.cluster import Client
+    from kvmesh.kvstore.peer import PeerTier
+    from kvmesh.worker.async_engine import AsyncEngine
+    from kvmesh.worker.engine import LLMEngine
+    from kvmesh.worker.page_source import EnginePageSource
+    from kvmesh.worker.server import WorkerServer
+
+    name, path, hf = ckpt
+    kw = dict(dtype="float32", num_pages=32, block_size=8)
+    a_engine = AsyncEngine(LLMEngine(str(path), **kw))
+    a = WorkerServer(
+        a_engine, page_source=EnginePageSource(a_engine), own_engine=True, grace_s=0, identity=ID
+    )
+    a.start_in_thread()
+    peer = PeerTier([a.address], timeout=30.0, identity=ID)
+    b = WorkerServer(LLMEngine(str(path), extra_tiers=[peer], **kw), identity=ID)
+    b.start_in_thread()
+    try:
+        prompt = _prompts(6, (45,))[0]  # 5 full pages
+        want = hf_greedy(hf, prompt, 6)
+        greedy = dict(temperature=0.0, max_tokens=6, ignore_eos=True)
+        with Client(a.address) as ca, Client(b.address) as cb:
+            assert ca.generate_text(prompt, **greedy).token_ids == want
+            before = b.engine.engine.runner.tokens_computed
+            on_b = cb.generate_text(prompt, **greedy)
+        assert on_b.usage.cached_tokens_by_tier["peer"] == 40, name
+        assert on_b.token_ids == want
+        assert b.engine.engine.runner.tokens_computed - before == 45 - 40 + 6 - 1
+        assert peer.metrics["data_plane_pages"] == 5
+    finally:
+        b.stop_in_thread(grace=0)
+        a.stop_in_thread(grace=0)
