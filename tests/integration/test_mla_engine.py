@@ -282,3 +282,32 @@ def test_latent_pages_travel_over_the_peer_data_plane(ckpt):
     finally:
         b.stop_in_thread(grace=0)
         a.stop_in_thread(grace=0)
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "bf16"])
+def test_half_precision_latent_pages_restore_byte_exact(tmp_path, fmt):
+    """fp16/bf16 latent pages hold half the bytes of fp32 ones; spilled to host and brought
+    back they give the very tokens of the run that computed them."""
+    _checkpoint(tmp_path, "v3")
+    llm = LLM(
+        str(tmp_path),
+        dtype="float32",
+        kv_cache_dtype=fmt,
+        num_pages=32,
+        block_size=8,
+        host_cache_memory="1MiB",
+    )
+    try:
+        eng = llm.engine
+        assert eng.layout.bytes_per_token == 3 * 40 * 2 and eng.page_spec.layout == "mla-r32-rope8"
+        prompt = _prompts(5, (50,))[0]
+        first = llm.generate([prompt], GREEDY)[0]
+        hashes = eng.make_request(prompt).page_hashes
+        before = eng.memory.read(eng.kv.cached_page_ids(hashes))
+        llm.reset_prefix_cache()
+        again = llm.generate([prompt], GREEDY)[0]
+        assert again.cached_tokens_by_tier["host"] == 48
+        assert again.token_ids == first.token_ids
+        assert eng.memory.read(eng.kv.cached_page_ids(hashes)) == before
+    finally:
+        llm.close()
