@@ -175,6 +175,26 @@ def _swap_backend(llm, backend) -> None:
     llm.engine.backend = llm.engine.runner.backend = backend
 
 
+def _timed_decode(eng, ids, params) -> tuple[list[list[int]], int, float]:
+    """Run ``ids`` together; time only the steps after every request has its first token
+    (the prefill is the same code on both paths and is left out). Returns the outputs, the
+    tokens made in the timed steps, and their seconds."""
+    rids = [eng.add_request(p, params) for p in ids]
+    seen: dict[str, int] = {}
+    final: dict = {}
+    t0 = at_t0 = None
+    while len(final) < len(rids):
+        if t0 is None and len(seen) == len(rids):
+            at_t0 = sum(seen.values())  # every request is decoding from here on
+            t0 = time.perf_counter()
+        for o in eng.step():
+            seen[o.request_id] = len(o.token_ids)
+            if o.finished:
+                final[o.request_id] = o.token_ids
+    seconds = time.perf_counter() - t0
+    return [final[r] for r in rids], sum(seen.values()) - at_t0, seconds
+
+
 def decode_rows(path: Path, prompts: int, prompt_len: int, tokens: int) -> dict:
     from kvmesh.worker import SamplingParams
 
@@ -186,16 +206,8 @@ def decode_rows(path: Path, prompts: int, prompt_len: int, tokens: int) -> dict:
         llm = _llm(path, enable_prefix_caching=False, max_num_batched_tokens=prompt_len)
         _swap_backend(llm, backend)
         llm.generate(ids[:1], SamplingParams(max_tokens=2))  # warm-up
-        # prefill alone first, so the timed run is decode (one prefill step per prompt)
-        t0 = time.perf_counter()
-        llm.generate(ids, SamplingParams(max_tokens=1))
-        prefill_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        res = llm.generate(ids, params)
-        total = time.perf_counter() - t0
-        outs[name] = [o.token_ids for o in res]
-        decode_s = max(total - prefill_s, 1e-9)
-        rows[name] = {"decode_tokens_per_s": prompts * (tokens - 1) / decode_s, "seconds": total}
+        outs[name], n, seconds = _timed_decode(llm.engine, ids, params)
+        rows[name] = {"decode_tokens_per_s": n / seconds, "decode_tokens": n, "seconds": seconds}
         print(f"mla decode {name}: {rows[name]}", file=sys.stderr, flush=True)
         llm.close()
     rows["latent_vs_naive"] = (
@@ -283,6 +295,10 @@ def mla_rows(args) -> dict:
     out: dict = {"layouts": layout_rows()}
     if not args.engine:
         return out
+    # --threads (default 1): on a shared 2-core box, small GEMMs on 2 threads ran 20x slower
+    # than on 1 (OpenMP threads waiting on each other while other processes hold the cores)
+    torch.set_num_threads(args.threads)
+    out["threads"] = args.threads
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp)
         _checkpoint(path)
