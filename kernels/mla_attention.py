@@ -135,8 +135,7 @@ def _mla_decode_kernel(
     q_row = q_ptr + b * s_qb + h[:, None].to(tl.int64) * s_qh
     q_c = tl.load(q_row + r[None, :], mask=hmask[:, None] & rmask[None, :], other=0.0)
     q_p = tl.load(q_row + RANK + p[None, :], mask=hmask[:, None] & pmask[None, :], other=0.0)
-    q_c = q_c.to(tl.float32)
-    q_p = q_p.to(tl.float32)
+    # the dots run in q's dtype (tensor cores for fp16/bf16) and accumulate in fp32
     ctx = tl.load(ctx_ptr + b).to(tl.int32)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -145,8 +144,8 @@ def _mla_decode_kernel(
     for j in range(0, tl.cdiv(ctx, BS)):
         page = tl.load(bt_ptr + b * s_btb + j)
         row = kv_ptr + page * s_kp + n[:, None].to(tl.int64) * s_kt  # (BS, 1)
-        c = tl.load(row + r[None, :], mask=rmask[None, :], other=0.0).to(tl.float32)  # (BS, R)
-        kp = tl.load(row + RANK + p[None, :], mask=pmask[None, :], other=0.0).to(tl.float32)
+        c = tl.load(row + r[None, :], mask=rmask[None, :], other=0.0).to(q_c.dtype)  # (BS, R)
+        kp = tl.load(row + RANK + p[None, :], mask=pmask[None, :], other=0.0).to(q_c.dtype)
         s = tl.dot(q_c, tl.trans(c)) + tl.dot(q_p, tl.trans(kp))  # (BLOCK_H, BS)
         s = s * qk_scale  # log2 domain
         valid = (j * BS + n) < ctx
@@ -155,7 +154,7 @@ def _mla_decode_kernel(
         alpha = tl.exp2(m_i - m_new)
         pr = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(pr, 1)
-        acc = acc * alpha[:, None] + tl.dot(pr, c)
+        acc = acc * alpha[:, None] + tl.dot(pr.to(c.dtype), c)
         m_i = m_new
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_row = o_ptr + b * s_ob + h[:, None].to(tl.int64) * s_oh
