@@ -311,3 +311,9 @@ def test_half_precision_latent_pages_restore_byte_exact(tmp_path, fmt):
         assert eng.memory.read(eng.kv.cached_page_ids(hashes)) == before
     finally:
         llm.close()
+
+
+def test_quantized_latent_pages_are_refused_at_start(tmp_path):
+    _checkpoint(tmp_path, "v3")
+    with pytest.raises(ValueError, match="'int8' is not offered for MLA latent pages"):
+        LLM(str(tmp_path), dtype="float32", kv_cache_dtype="int8", num_pages=8)
