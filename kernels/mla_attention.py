@@ -198,6 +198,41 @@ def mla_decode_triton(
     return out
 
 
+def mla_decode_cpu(
+    *,
+    q: torch.Tensor,
+    latent_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    kv_rank: int,
+    scale: float,
+    library=None,
+) -> torch.Tensor:
+    """``mla_decode_torch`` through kvmesh's C decode kernel (``kernels.cpu_attention``),
+    which reads the pages in place instead of gathering them: the latent rows are one
+    shared K head of size D and, with V = K, the first ``kv_rank`` values of each output
+    row are the latent output (the rotary tail, 1/9 of a row for DeepSeek, is discarded)."""
+    from kvmesh.kernels.cpu_attention import paged_decode_attention_cpu
+
+    _check_decode(q, latent_cache, block_tables, context_lens, kv_rank)
+    fmt = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}.get(
+        latent_cache.dtype
+    )
+    if fmt is None:
+        raise ValueError(f"latent pages must be fp32/fp16/bf16, got {latent_cache.dtype}")
+    kv = latent_cache.unsqueeze(2)  # (P, bs, 1, D): one KV head
+    o = paged_decode_attention_cpu(
+        q=q,
+        fmt=fmt,
+        cache={"k": kv, "v": kv},
+        block_tables=block_tables,
+        context_lens=context_lens,
+        scale=scale,
+        library=library,
+    )  # (B, H, D)
+    return o[..., :kv_rank]
+
+
 def mla_decode(**kw) -> torch.Tensor:
     """Absorbed decode over latent pages: Triton on CUDA, the torch twin elsewhere."""
     if kw["q"].is_cuda:

@@ -85,14 +85,24 @@ def _prompts(seed: int, lengths, prefix: list[int] | None = None) -> list[list[i
     return [pre + torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
 
 
-def test_mla_matches_transformers_chunked_batched(ckpt):
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_mla_matches_transformers_chunked_batched(ckpt, backend):
     """Four prompts in one batch, prefill chunked at 24 tokens a step: fp32 greedy tokens
-    equal transformers'."""
+    equal transformers', with decode in the C kernel (``cpu``, the default here) and in
+    torch."""
     name, path, hf = ckpt
-    llm = LLM(str(path), dtype="float32", num_pages=64, block_size=8, max_num_batched_tokens=24)
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        num_pages=64,
+        block_size=8,
+        max_num_batched_tokens=24,
+        attention_backend=backend,
+    )
     try:
         eng = llm.engine
         assert eng.layout.attention == "mla" and eng.backend.name == "mla"
+        assert eng.backend.kernel == backend, "the C kernels must build here"
         prompts = _prompts(1, (5, 17, 33, 70))
         outs = llm.generate(prompts, GREEDY)
         for ids, out in zip(prompts, outs):

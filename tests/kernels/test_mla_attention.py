@@ -125,3 +125,27 @@ def test_bad_arguments_are_named():
             block_tables=tables,
             scale=1.0,
         )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_cpu_kernel_twin(dtype):
+    """The C decode kernel over latent pages (one shared K head, V = K) == the torch twin."""
+    from kvmesh.kernels.mla_attention import mla_decode_cpu
+    from kvmesh.worker import cpu_kernels
+
+    lib = cpu_kernels.load()
+    assert lib is not None, "kvmesh's C kernels must build here (a C compiler is needed)"
+    H, rank, rope, lens = 20, 48, 16, [33, 16, 5, 64]
+    cache, tables, ctx, _, w_uk, _, q_nope, q_pe = _setup(
+        dtype, B=len(lens), H=H, rank=rank, rope=rope, nope=16, vd=12, bs=16, lens=lens
+    )
+    P, D = cache.shape[0], rank + rope  # page-strided like the pool, rows dense in a page
+    pool = torch.zeros((P, 16 * D + 24), dtype=dtype)[:, : 16 * D].unflatten(1, (16, D))
+    cache = pool.copy_(cache)
+    q = absorb_query(q_nope, q_pe, w_uk)
+    kw = dict(q=q, latent_cache=cache, block_tables=tables, context_lens=ctx, kv_rank=rank)
+    got = mla_decode_cpu(**kw, scale=0.2, library=lib)
+    want = mla_decode_torch(**kw, scale=0.2)
+    tol = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    assert got.shape == want.shape == (len(lens), H, rank)
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)

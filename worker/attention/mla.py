@@ -9,12 +9,15 @@ the cache dtype, so a later prefix-cache hit sees the very same keys.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kvmesh.kernels.mla_attention import (
     absorb_output,
     absorb_query,
     mla_decode,
+    mla_decode_cpu,
     mla_decode_torch,
     mla_decode_triton,
     mla_prefill_torch,
@@ -25,18 +28,29 @@ from kvmesh.worker.attention.base import AttentionBackend, AttentionMetadata, La
 
 class MLABackend(AttentionBackend):
     """``forward_mla`` replaces ``forward``: the model hands over latents, not K and V.
-    ``kernel="auto"`` picks Triton for CUDA tensors and the torch twin elsewhere; ``"torch"``
-    forces the reference, ``"triton"`` the Triton kernel (on CPU only under
+    ``kernel="auto"`` picks Triton for CUDA tensors and the torch twin elsewhere; ``"cpu"``
+    (the engine's default on CPU) kvmesh's C decode kernel for CPU tensors where it builds;
+    ``"torch"`` forces the reference, ``"triton"`` the Triton kernel (on CPU only under
     ``TRITON_INTERPRET=1``: the tests)."""
 
     name = "mla"
 
     def __init__(self, kernel: str = "auto"):
         kernels = {"auto": mla_decode, "torch": mla_decode_torch, "triton": mla_decode_triton}
-        if kernel not in kernels:
-            raise ValueError(f"MLA decode kernel must be one of {sorted(kernels)}, got {kernel!r}")
+        if kernel not in (*kernels, "cpu"):
+            raise ValueError(
+                f"MLA decode kernel must be one of {sorted((*kernels, 'cpu'))}, got {kernel!r}"
+            )
         self.kernel = kernel
-        self._decode = kernels[kernel]
+        self._decode = kernels.get(kernel, mla_decode)
+        if kernel == "cpu":  # the C decode kernel where it builds, else the torch twin
+            from kvmesh.worker import cpu_kernels
+
+            lib = cpu_kernels.load()
+            if lib is not None:
+                self._decode = functools.partial(_decode_cpu_or_auto, library=lib)
+            else:
+                self.kernel = "auto"
         self._meta: AttentionMetadata | None = None
 
     def prepare(self, meta: AttentionMetadata) -> None:
@@ -108,3 +122,9 @@ class MLABackend(AttentionBackend):
             scale=scale,
         )  # (nd, H, rank)
         return absorb_output(o_lat, w_uv)
+
+
+def _decode_cpu_or_auto(*, library, **kw) -> torch.Tensor:
+    if kw["q"].is_cpu:
+        return mla_decode_cpu(**kw, library=library)
+    return mla_decode(**kw)
