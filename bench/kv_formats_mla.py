@@ -5,9 +5,9 @@
   and a GQA model of similar size (Llama-3.1-8B, Llama-3.1-405B): layout arithmetic from
   the published geometries, in bf16, nothing timed.
 * ``decode``: output tokens/s of the engine on a randomly initialised DeepSeek-V3-style
-  checkpoint (dense MLP), latent path (absorbed decode over latent pages, the default)
-  against a naive path that expands every context token's latent into per-head K and V
-  (``kv_b_proj``) at every decode step, in the same run.
+  checkpoint (dense MLP), latent path (absorbed decode over latent pages: the C kernel, the
+  default on CPU, and the torch twin) against a naive path that expands every context
+  token's latent into per-head K and V (``kv_b_proj``) at every decode step, in the same run.
 * ``formats``: whether lower-precision latent pages hold quality, on the same random
   model: mean KL(fp32 pages || format) of the next-token distributions (teacher forced over
   random token windows), top-1 agreement, and greedy continuations identical to fp32
@@ -202,7 +202,12 @@ def decode_rows(path: Path, prompts: int, prompt_len: int, tokens: int) -> dict:
     ids = [torch.randint(3, 2048, (prompt_len,), generator=g).tolist() for _ in range(prompts)]
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     rows, outs = {}, {}
-    for name, backend in (("latent", MLABackend()), ("naive_expand", NaiveExpandBackend())):
+    paths = (
+        ("latent", MLABackend("cpu")),  # the engine's default on CPU: the C decode kernel
+        ("latent_torch", MLABackend("torch")),
+        ("naive_expand", NaiveExpandBackend("torch")),
+    )
+    for name, backend in paths:
         llm = _llm(path, enable_prefix_caching=False, max_num_batched_tokens=prompt_len)
         _swap_backend(llm, backend)
         llm.generate(ids[:1], SamplingParams(max_tokens=2))  # warm-up
@@ -213,7 +218,10 @@ def decode_rows(path: Path, prompts: int, prompt_len: int, tokens: int) -> dict:
     rows["latent_vs_naive"] = (
         rows["latent"]["decode_tokens_per_s"] / rows["naive_expand"]["decode_tokens_per_s"]
     )
-    rows["same_tokens"] = outs["latent"] == outs["naive_expand"]
+    rows["latent_torch_vs_naive"] = (
+        rows["latent_torch"]["decode_tokens_per_s"] / rows["naive_expand"]["decode_tokens_per_s"]
+    )
+    rows["same_tokens"] = outs["latent"] == outs["naive_expand"] == outs["latent_torch"]
     rows["setup"] = {"prompts": prompts, "prompt_len": prompt_len, "output_tokens": tokens}
     return rows
 
