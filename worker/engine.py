@@ -169,7 +169,7 @@ class LLMEngine:
         if cfg.is_mla:  # latent pages: the MLA backend (Triton decode on CUDA)
             from kvmesh.worker.attention.mla import MLABackend
 
-            self.backend = MLABackend(backend_name if backend_name in ("torch", "cpu") else "auto")
+            self.backend = MLABackend("torch" if backend_name == "torch" else "auto")
         else:
             self.backend = get_backend(backend_name, sliding_window=cfg.sliding_window)
         if backend_name == "cpu" and not self.layout.quantized:

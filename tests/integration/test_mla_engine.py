@@ -88,8 +88,7 @@ def _prompts(seed: int, lengths, prefix: list[int] | None = None) -> list[list[i
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 def test_mla_matches_transformers_chunked_batched(ckpt, backend):
     """Four prompts in one batch, prefill chunked at 24 tokens a step: fp32 greedy tokens
-    equal transformers', with decode in the C kernel (``cpu``, the default here) and in
-    torch."""
+    equal transformers', through the engine's default backend here (``cpu``) and ``torch``."""
     name, path, hf = ckpt
     llm = LLM(
         str(path),
@@ -102,7 +101,7 @@ def test_mla_matches_transformers_chunked_batched(ckpt, backend):
     try:
         eng = llm.engine
         assert eng.layout.attention == "mla" and eng.backend.name == "mla"
-        assert eng.backend.kernel == backend, "the C kernels must build here"
+        assert eng.backend.kernel == ("torch" if backend == "torch" else "auto")
         prompts = _prompts(1, (5, 17, 33, 70))
         outs = llm.generate(prompts, GREEDY)
         for ids, out in zip(prompts, outs):
@@ -111,13 +110,16 @@ def test_mla_matches_transformers_chunked_batched(ckpt, backend):
         llm.close()
 
 
-def test_triton_latent_decode_in_the_engine(ckpt):
-    """The engine's decode through the Triton latent kernel (interpreted on CPU) gives
-    transformers' tokens too."""
+@pytest.mark.parametrize("kernel", ["triton", "cpu"])
+def test_decode_kernels_in_the_engine(ckpt, kernel):
+    """The engine's decode through the Triton latent kernel (interpreted on CPU) and through
+    kvmesh's C kernel gives transformers' tokens too."""
     name, path, hf = ckpt
     llm = LLM(str(path), dtype="float32", num_pages=32, block_size=16)
     try:
-        llm.engine.runner.backend = MLABackend("triton")
+        backend = MLABackend(kernel)
+        assert backend.kernel == kernel, "the C kernels must build here"
+        llm.engine.runner.backend = backend
         prompts = _prompts(2, (6, 37))
         params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
         for ids, out in zip(prompts, llm.generate(prompts, params)):

@@ -2,7 +2,7 @@
 
 The step's new latent rows are written to the latent pages first; then single-token rows
 (decode) attend in the absorbed form over the latent pages only (``kernels.mla_attention``:
-Triton on CUDA, the torch twin elsewhere), and each prefill chunk expands its context's
+Triton on CUDA, the torch twin on CPU), and each prefill chunk expands its context's
 latents into per-head K and V. A chunk with nothing cached reads its own rows back through
 the cache dtype, so a later prefix-cache hit sees the very same keys.
 """
@@ -28,10 +28,10 @@ from kvmesh.worker.attention.base import AttentionBackend, AttentionMetadata, La
 
 class MLABackend(AttentionBackend):
     """``forward_mla`` replaces ``forward``: the model hands over latents, not K and V.
-    ``kernel="auto"`` picks Triton for CUDA tensors and the torch twin elsewhere; ``"cpu"``
-    (the engine's default on CPU) kvmesh's C decode kernel for CPU tensors where it builds;
-    ``"torch"`` forces the reference, ``"triton"`` the Triton kernel (on CPU only under
-    ``TRITON_INTERPRET=1``: the tests)."""
+    ``kernel="auto"`` (the engine's choice) picks Triton for CUDA tensors and the torch twin
+    elsewhere; ``"cpu"`` kvmesh's C decode kernel for CPU tensors where it builds (slower than
+    the torch twin for MLA's shapes: docs/models.md); ``"torch"`` forces the reference,
+    ``"triton"`` the Triton kernel (on CPU only under ``TRITON_INTERPRET=1``: the tests)."""
 
     name = "mla"
 
