@@ -30,7 +30,7 @@ from kvmesh.worker.kv_cache import KVCacheManager
 from kvmesh.worker.kv_connector import KVConnector, make_store
 from kvmesh.worker.kv_memory import KVMemory
 from kvmesh.worker.model_runner import ModelRunner
-from kvmesh.worker.models.llama import build_model
+from kvmesh.worker.models import build_model
 from kvmesh.worker.models.loader import (
     DEFAULT_MODEL,
     load_config,
@@ -166,7 +166,12 @@ class LLMEngine:
         self.connector.offloader.set_peer_auth(peer_identity, peer_tls)
         self.scheduler = Scheduler(self.scheduler_config, self.kv, self.connector)
         backend_name = attention_backend or default_backend_name(self.device.type)
-        self.backend = get_backend(backend_name, sliding_window=cfg.sliding_window)
+        if cfg.is_mla:  # latent pages: the MLA backend (Triton decode on CUDA)
+            from kvmesh.worker.attention.mla import MLABackend
+
+            self.backend = MLABackend("torch" if backend_name == "torch" else "auto")
+        else:
+            self.backend = get_backend(backend_name, sliding_window=cfg.sliding_window)
         if backend_name == "cpu" and not self.layout.quantized:
             # the C kernels serve the model's elementwise ops too. Not under quantized
             # caches: their RMSNorm and SiLU round differently from torch's in the last bit,
