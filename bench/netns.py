@@ -216,6 +216,10 @@ class NetnsCluster:
                 if p.poll() is None:
                     p.kill()
                 p.wait(timeout=10)
+        # deleting a host end deletes its pair at once (those of a deleted namespace go only
+        # when the kernel gets round to it)
+        for n in self.nodes:
+            _ip("link", "del", self.veth[n], check=False)
         for ns in self._created_ns:
             _ip("netns", "del", ns, check=False)
         self._created_ns = []

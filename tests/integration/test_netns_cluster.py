@@ -148,14 +148,17 @@ def test_a_node_cut_off_is_dropped_and_comes_back(nc, client, texts):
     workers = _workers(nc)
     victim = next(w for w, v in workers.items() if nc.node_of(v["address"]) == "n1")
     other = next(w for w in workers if w != victim)
-    # a prefix cached on the victim: prefix affinity would send its next request there
-    s = texts(10, PREFIX)
-    first = None
-    for i in range(4):  # the policy's first pick may be either worker
-        first = client.generate_text(s + texts(11 + i, 8), **SHORT)
-        if first.worker_id == victim:
-            break
-        s = texts(20 + i, PREFIX)
+    # a prefix cached on the victim only: prefix affinity would send its next request there
+    # (round robin alternates, so one of two fresh prefixes lands on it)
+    try:
+        nc.call("policy", "round_robin")
+        for i in range(2):
+            s = texts(20 + i, PREFIX)
+            first = client.generate_text(s + texts(11 + i, 8), **SHORT)
+            if first.worker_id == victim:
+                break
+    finally:
+        nc.call("policy", "prefix_affinity")
     assert first.worker_id == victim
 
     results: list = []
