@@ -48,7 +48,10 @@ def worker_metrics_port() -> int:
     (default 0: any free port). On Kubernetes, one worker per pod, a fixed port lets a
     PodMonitor scrape it (deploy/k8s)."""
     v = os.environ.get("KVMESH_WORKER_METRICS_PORT")
-    port = int(v) if v else 0
+    try:
+        port = int(v) if v else 0
+    except ValueError:
+        port = -1
     if not 0 <= port < 65536:
         raise ValueError(f"KVMESH_WORKER_METRICS_PORT must be in [0, 65535], got {v!r}")
     return port

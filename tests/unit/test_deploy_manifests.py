@@ -479,3 +479,18 @@ def test_entrypoint_starts_ray_then_the_command():
     # without the annotation's variable: a clear error
     r = _entry(["echo", "serving"], None)
     assert r.returncode == 2 and "overwrite-container-cmd" in r.stderr
+
+
+def test_worker_metrics_port_env(monkeypatch):
+    """KVMESH_WORKER_METRICS_PORT (the worker pods' fixed /metrics port): unset is any free
+    port; a bad value is an error naming the variable."""
+    from kvmesh.worker import envs
+
+    monkeypatch.delenv("KVMESH_WORKER_METRICS_PORT", raising=False)
+    assert envs.worker_metrics_port() == 0
+    monkeypatch.setenv("KVMESH_WORKER_METRICS_PORT", "9401")
+    assert envs.worker_metrics_port() == 9401
+    for bad in ("70000", "metrics"):
+        monkeypatch.setenv("KVMESH_WORKER_METRICS_PORT", bad)
+        with pytest.raises(ValueError, match="KVMESH_WORKER_METRICS_PORT"):
+            envs.worker_metrics_port()
