@@ -390,20 +390,24 @@ def _driver(cfg: dict) -> int:
             if time.monotonic() > end:
                 raise TimeoutError(f"{len(ray.nodes())} of {cfg['nodes']} Ray nodes joined")
             time.sleep(0.2)
-        cluster = Cluster.start(
-            ClusterConfig(
-                workers=cfg["workers"],
-                model=cfg["model"],
-                engine_args=cfg["engine_args"],
-                policy=cfg["policy"],
-                port=cfg["port"],
-                metrics_port=cfg["metrics_port"],
-                log_level=cfg["log_level"],
-                seed=cfg["seed"],
-                grace_s=2.0,
-            ),
-            timeout_s=cfg["timeout_s"],
+        config = ClusterConfig(
+            workers=cfg["workers"],
+            model=cfg["model"],
+            engine_args=cfg["engine_args"],
+            policy=cfg["policy"],
+            port=cfg["port"],
+            metrics_port=cfg["metrics_port"],
+            log_level=cfg["log_level"],
+            seed=cfg["seed"],
+            grace_s=2.0,
         )
+        try:
+            cluster = Cluster.start(config, timeout_s=cfg["timeout_s"])
+        except ray.exceptions.ActorUnavailableError as e:
+            # an actor restarted while starting (seen once on a machine short of memory):
+            # Cluster.start killed them all; one more try, said out loud
+            print(f"netns driver: start failed ({e!r}); trying once more", file=sys.stderr)
+            cluster = Cluster.start(config, timeout_s=cfg["timeout_s"])
     except Exception as e:
         reply({"error": repr(e)})
         return 1
