@@ -406,7 +406,9 @@ def _driver(cfg: dict) -> int:
         except ray.exceptions.ActorUnavailableError as e:
             # an actor restarted while starting (seen once on a machine short of memory):
             # Cluster.start killed them all; one more try, said out loud
+            # (actors of another name: none of the first try's can reach the second's router)
             print(f"netns driver: start failed ({e!r}); trying once more", file=sys.stderr)
+            config.name = "kvmesh-retry"
             cluster = Cluster.start(config, timeout_s=cfg["timeout_s"])
     except Exception as e:
         reply({"error": repr(e)})
