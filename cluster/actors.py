@@ -111,6 +111,7 @@ class WorkerActor:
     ) -> None:
         import torch
 
+        from kvmesh.worker import envs
         from kvmesh.worker.async_engine import AsyncEngine
         from kvmesh.worker.engine import LLMEngine
         from kvmesh.worker.server import WorkerServer
@@ -151,7 +152,7 @@ class WorkerActor:
             self.aeng,
             host=ip,
             grace_s=grace_s,
-            metrics_port=0 if metrics else None,
+            metrics_port=envs.worker_metrics_port() if metrics else None,
             identity=identity,
             tokens=tokens,
             server_credentials=tls.server_credentials() if tls is not None and tls.serves else None,

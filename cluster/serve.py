@@ -272,8 +272,10 @@ class Cluster:
 
 def _driver_node():
     """Place the router on the node ``kvmesh serve`` runs on (the head pod on KubeRay), so
-    the endpoint is where the operator expects it; soft, so a restart may go elsewhere if
-    that node is gone."""
+    the endpoint is where the operator expects it. Hard affinity: Ray's soft affinity sent
+    the router to a worker node now and then when the driver's node offers no CPUs (a
+    KubeRay head, tests/integration/test_netns_cluster.py); and the actors die with the
+    driver anyway, so there is no other node for a restart to go to."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -281,7 +283,7 @@ def _driver_node():
         node = ray.get_runtime_context().get_node_id()
     except Exception:  # a client without a node of its own: let Ray choose
         return None
-    return NodeAffinitySchedulingStrategy(node_id=node, soft=True)
+    return NodeAffinitySchedulingStrategy(node_id=node, soft=False)
 
 
 # ---------------------------------------------------------------- the CLI

@@ -41,3 +41,17 @@ def cluster_secret() -> str | None:
     """KVMESH_CLUSTER_SECRET: the cluster secret (at least 16 bytes) of a standalone
     ``kvmesh worker``, when ``--cluster-secret-file`` is not given (docs/security.md)."""
     return os.environ.get("KVMESH_CLUSTER_SECRET") or None
+
+
+def worker_metrics_port() -> int:
+    """KVMESH_WORKER_METRICS_PORT: the port of a ``kvmesh serve`` worker actor's /metrics
+    (default 0: any free port). On Kubernetes, one worker per pod, a fixed port lets a
+    PodMonitor scrape it (deploy/k8s)."""
+    v = os.environ.get("KVMESH_WORKER_METRICS_PORT")
+    try:
+        port = int(v) if v else 0
+    except ValueError:
+        port = -1
+    if not 0 <= port < 65536:
+        raise ValueError(f"KVMESH_WORKER_METRICS_PORT must be in [0, 65535], got {v!r}")
+    return port
