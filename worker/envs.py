@@ -32,6 +32,14 @@ def cpu_kernels_enabled() -> bool:
     return _str("KVMESH_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def gemm_mode() -> str:
+    """KVMESH_GEMM: how CPU linear layers pick their GEMM (``kernels.autotune``): ``auto``
+    (default: the fastest measured on this machine, cached under KVMESH_CACHE_DIR),
+    ``exact`` (the fastest bit-identical to ``F.linear``), ``legacy``, or one of ``linear``,
+    ``mkl``, ``onednn``."""
+    return _str("KVMESH_GEMM", "auto").strip().lower() or "auto"
+
+
 def c_compiler() -> str:
     """CC: the C compiler that builds the CPU kernels (default ``cc``)."""
     return _str("CC", "") or "cc"
