@@ -107,6 +107,17 @@ def make_prompts(encode, text: str, num: int, tokens: int, seed: int) -> list[li
 # ---------------------------------------------------------------- kvmesh
 
 
+def set_gemm_mode(mode: str | None) -> None:
+    """Run the next engine's linear layers with GEMM mode ``mode`` (``kernels.autotune``):
+    a fresh process tuner, so each mode is timed in this one run."""
+    if mode is None:
+        return
+    from kvmesh.kernels import autotune
+
+    os.environ["KVMESH_GEMM"] = mode
+    autotune._default = None
+
+
 def run_kvmesh(args, text: str) -> tuple[dict, list[list[int]], list[list[int]]]:
     from kvmesh.worker import LLM, SamplingParams
 
@@ -443,6 +454,9 @@ def run_vllm(args, prompts, model_dir: Path, kvmesh_cfg: dict) -> tuple[dict, li
         spec_path.write_text(json.dumps(spec))
         env = dict(os.environ)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB
+        # every core, as kvmesh runs: vLLM's default reserves one for its frontend
+        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
         env.setdefault("VLLM_TARGET_DEVICE", "cpu")
         log(f"vllm: running {args.vllm_python} on {model_dir} ({args.vllm_dtype}) ...")
         t0 = time.monotonic()
@@ -522,6 +536,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="the engine's Prometheus metrics; compare: runs take turns off and on (scraped "
         "every second) and the JSON has both throughputs and metrics_overhead_pct",
     )
+    p.add_argument(
+        "--gemm-modes",
+        default=None,
+        help="comma-separated KVMESH_GEMM modes (e.g. legacy,auto): kvmesh runs once per mode "
+        "in this run; the last is the reported kvmesh row, the others get kvmesh_gemm_* rows",
+    )
     p.add_argument("--vllm-python", default=None, help="python of a virtualenv with vllm-cpu")
     p.add_argument("--vllm-dtype", default="float32")
     p.add_argument("--vllm-export-dir", type=Path, default=None, help="HF folder for vLLM")
@@ -544,7 +564,23 @@ def main(argv=None) -> None:
     text = args.text.read_text(encoding="utf-8")
 
     result: dict = {}
+    modes = args.gemm_modes.split(",") if args.gemm_modes else [None]
+    gemm_rows = {}
+    for mode in modes[:-1]:
+        set_gemm_mode(mode)
+        other, _, other_tokens = run_kvmesh(args, text)
+        gemm_rows[mode] = (other, other_tokens)
+        gc.collect()
+    set_gemm_mode(modes[-1])
     kv, prompts, kv_tokens = run_kvmesh(args, text)
+    result["kvmesh_gemm_mode"] = os.environ.get("KVMESH_GEMM", "auto")
+    for mode, (other, other_tokens) in gemm_rows.items():
+        result[f"kvmesh_gemm_{mode}_out_tok_s"] = other["kvmesh_out_tok_s"]
+        result[f"kvmesh_gemm_{mode}_elapsed_all_s"] = other["kvmesh_elapsed_all_s"]
+        result[f"ratio_gemm_{modes[-1]}_vs_{mode}"] = round(
+            kv["kvmesh_out_tok_s"] / other["kvmesh_out_tok_s"], 3
+        )
+        result[f"kvmesh_gemm_{mode}_same_tokens"] = agreement(kv_tokens, other_tokens)[0]
     lengths = list(map(len, prompts))
     result["workload"] = {
         "model": args.model,
