@@ -216,7 +216,8 @@ def run_kvmesh(args, text: str) -> tuple[dict, list[list[int]], list[list[int]]]
         # the metrics' own CPU time (engine-thread hook + 1 s scrapes) as a share of the
         # process's CPU time in each metrics-on run
         result["metrics_cpu_share_pct"] = [round(100 * x, 3) for x in shares]
-        log(f"kvmesh: metrics on costs {result['metrics_overhead_pct']}% of throughput")
+        if "metrics_overhead_pct" in result:
+            log(f"kvmesh: metrics on costs {result['metrics_overhead_pct']}% of throughput")
     log(
         f"kvmesh: {result['kvmesh_out_tok_s']} out tok/s, "
         f"ttft p50 {result['kvmesh_ttft_p50_s']}s p99 {result['kvmesh_ttft_p99_s']}s"

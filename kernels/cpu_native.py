@@ -1,4 +1,5 @@
-"""Build and load kvmesh's C kernels for CPUs (``cpu_attention.c``, ``cpu_ops.c``).
+"""Build and load kvmesh's C kernels for CPUs (``cpu_attention.c``, ``cpu_ops.c``,
+``cpu_quant.c``).
 
 ``build()`` compiles the sources into one shared library with the system C compiler, in a
 build directory (the engine passes ``$KVMESH_CACHE_DIR/kernels`` and ``$CC``, read by
@@ -30,7 +31,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_attention.c", "cpu_ops.c"))
+SOURCES = tuple(
+    Path(__file__).with_name(n) for n in ("cpu_attention.c", "cpu_ops.c", "cpu_quant.c")
+)
 ABI = 3
 NATIVE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off")
 PORTABLE_FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off")  # scalar paths
@@ -51,6 +54,8 @@ SIGNATURES = {
     # (fmt, q, k, k_scale, k_zero, v, v_scale, v_zero, residual k, v, tables, lens, slots,
     #  out, B, P, Hq, Hkv, D, bs, page stride in bytes, scale, window, threads)
     "kvmesh_decode_attention_quant": [_N] + [_P] * 13 + [_I] * 7 + [_F, _I, _N],
+    # (fmt, k, v, n, bs, H, D, page ids, 6 component bases, page stride in bytes, threads)
+    "kvmesh_quantize_pages": [_N, _P, _P] + [_I] * 4 + [_P] * 7 + [_I, _N],
     "kvmesh_rmsnorm_f32": [_P, _P, _P, _I, _I, _F, _N],
     "kvmesh_add_rmsnorm_f32": [_P, _P, _P, _P, _I, _I, _F, _N],
     "kvmesh_rotary_f32": [_P, _P, _P, _I, _I, _I, _I, _N],

@@ -105,8 +105,12 @@ class TorchAttentionBackend(AttentionBackend):
         rot = value_rotation_block(cache.cache_format, D)
         if rot is not None:  # int4 keeps V rotated (kernels.quant); the output is turned back
             v = hadamard_transform(v, rot)
+        native = self._native is not None and q.device.type == "cpu"
         if cache.quantized:
             from kvmesh.kernels.cache_write import write_kv_cache  # Triton on CUDA
+
+            if native and cache.residual_k.dtype == torch.float32:
+                from kvmesh.kernels.cpu_quant import write_kv_cache_cpu as write_kv_cache
 
             write_kv_cache(
                 fmt=cache.cache_format,
@@ -130,7 +134,6 @@ class TorchAttentionBackend(AttentionBackend):
         if cache.quantized:
             res = dict(residual_k=cache.residual_k, residual_v=cache.residual_v)
             res["residual_slots"] = meta.decode_residual_slots
-        native = self._native is not None and q.device.type == "cpu"
         if nd and native and (not res or cache.residual_k.dtype == torch.float32):
             self._native(
                 q=q[:nd],
