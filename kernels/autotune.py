@@ -22,11 +22,15 @@ warning and rewritten. Each choice is logged on one line.
 
 Numerics: ``linear`` and ``mkl`` (16 rows and up) give bit-identical results; ``onednn``
 accumulates in another order and differs from ``F.linear`` by float rounding (~1e-5
-relative). ``mode="exact"`` keeps only candidates whose output on the tuning input equals
-``F.linear``'s bit for bit; the engine's default, ``auto``, takes the fastest (greedy
-outputs still equal transformers' token for token: tests/integration/test_parity_*).
-``KVMESH_GEMM`` sets the mode: ``auto``, ``exact``, ``legacy`` (the fixed rule before
-autotuning: MKL packed for 9-64 rows, else ``F.linear``), or one candidate's name.
+relative). The engine's default mode, ``exact``, keeps only candidates whose output equals
+``F.linear``'s bit for bit at every row count of the bucket (checked once, when measured), so
+results are what they were before autotuning. ``auto`` takes the fastest, oneDNN included:
+faster on the machines measured, but its last-bit differences flip int8/int4 codes of the
+quantized KV cache, so greedy tokens no longer equal the fake-quantized transformers
+reference of tests/integration/test_quantized_engine.py (measured: int8 test fails under
+``auto``, passes under ``exact``/``legacy``). ``KVMESH_GEMM`` sets the mode: ``exact``,
+``auto``, ``legacy`` (the fixed rule before autotuning: MKL packed for 9-64 rows, else
+``F.linear``), or one candidate's name.
 """
 
 from __future__ import annotations
@@ -114,7 +118,8 @@ def _time_rounds(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str,
 class GemmTuner:
     """Chooses a GEMM candidate per (weight shape, bias, row bucket); see the module doc.
 
-    ``cache_path``: the JSON file (None: memory only). ``mode``: one of ``MODES``.
+    ``cache_path``: the JSON file (None: memory only). ``mode``: one of ``MODES`` (the
+    class defaults to ``auto``; the engine's process tuner to ``$KVMESH_GEMM``, ``exact``).
     ``timer``: replaces the measurement (tests), ``timer(fns, rounds) -> {name: seconds}``.
     """
 

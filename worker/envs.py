@@ -33,11 +33,11 @@ def cpu_kernels_enabled() -> bool:
 
 
 def gemm_mode() -> str:
-    """KVMESH_GEMM: how CPU linear layers pick their GEMM (``kernels.autotune``): ``auto``
-    (default: the fastest measured on this machine, cached under KVMESH_CACHE_DIR),
-    ``exact`` (the fastest bit-identical to ``F.linear``), ``legacy``, or one of ``linear``,
-    ``mkl``, ``onednn``."""
-    return _str("KVMESH_GEMM", "auto").strip().lower() or "auto"
+    """KVMESH_GEMM: how CPU linear layers pick their GEMM (``kernels.autotune``): ``exact``
+    (default: the fastest measured on this machine among those bit-identical to
+    ``F.linear``, cached under KVMESH_CACHE_DIR), ``auto`` (the fastest, oneDNN included,
+    which rounds differently), ``legacy``, or one of ``linear``, ``mkl``, ``onednn``."""
+    return _str("KVMESH_GEMM", "exact").strip().lower() or "exact"
 
 
 def c_compiler() -> str:
