@@ -319,6 +319,33 @@ static void fill_fp8_lut(void) {
     }
 }
 
+/* n packed int4 bytes -> 2n float codes in [0, 15], element 2j from byte j's low nibble. */
+static inline void int4_codes(const uint8_t *src, int64_t n, float *dst) {
+    int64_t j = 0;
+#if VEC_PATH
+    const __m128i mask = _mm_set1_epi8(15);
+    for (; j + 16 <= n; j += 16) {
+        const __m128i b = _mm_loadu_si128((const __m128i *)(src + j));
+        const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+        const __m128i e0 = _mm_unpacklo_epi8(lo, hi), e1 = _mm_unpackhi_epi8(lo, hi);
+        float *o = dst + 2 * j;
+#if VEC_PATH == 512
+        _mm512_storeu_ps(o, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(e0)));
+        _mm512_storeu_ps(o + 16, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(e1)));
+#else
+        _mm256_storeu_ps(o, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(e0)));
+        _mm256_storeu_ps(o + 8, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(e0, 8))));
+        _mm256_storeu_ps(o + 16, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(e1)));
+        _mm256_storeu_ps(o + 24, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(e1, 8))));
+#endif
+    }
+#endif
+    for (; j < n; j++) {
+        dst[2 * j] = (float)(src[j] & 15);
+        dst[2 * j + 1] = (float)(src[j] >> 4);
+    }
+}
+
 typedef struct {
     const uint8_t *k, *ks, *kz, *v, *vs, *vz; /* component bases (page 0) */
     int64_t stride;                           /* bytes from one page to the next */
@@ -365,20 +392,15 @@ static inline void dequant_rows(int fmt, const qpages *P, int64_t pg, int64_t j0
             const uint8_t *kq = kd + r * D2, *vq = vd + r * D2;
             const float *sc = ksf + h * D, *zp = kzf + h * D;
             float *ko = kb + r * D, *vo = vb + r * D;
+            int4_codes(kq, D2, ko); /* codes, then scaled in place */
 #pragma omp simd
-            for (int64_t i = 0; i < D2; i++) {
-                ko[2 * i] = (float)(kq[i] & 15) * sc[2 * i] + zp[2 * i];
-                ko[2 * i + 1] = (float)(kq[i] >> 4) * sc[2 * i + 1] + zp[2 * i + 1];
-            }
+            for (int64_t d = 0; d < D; d++) ko[d] = ko[d] * sc[d] + zp[d];
+            int4_codes(vq, D2, vo);
             for (int64_t c = 0; c < Gn; c++) {
                 const float s = (float)vs[r * Gn + c], z = (float)vz[r * Gn + c];
-                const uint8_t *vqc = vq + c * g / 2;
                 float *voc = vo + c * g;
 #pragma omp simd
-                for (int64_t i = 0; i < g / 2; i++) {
-                    voc[2 * i] = (float)(vqc[i] & 15) * s + z;
-                    voc[2 * i + 1] = (float)(vqc[i] >> 4) * s + z;
-                }
+                for (int64_t i = 0; i < g; i++) voc[i] = voc[i] * s + z;
             }
         }
 }
