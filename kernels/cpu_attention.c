@@ -31,6 +31,11 @@
 #include <immintrin.h>
 #endif
 
+#if defined(KVMESH_LIBMVEC)
+/* glibc's vector expf (libmvec), so the softmax's exp loop vectorises (as in cpu_ops.c) */
+__attribute__((simd("notinbranch"))) float expf(float);
+#endif
+
 static inline float ld1_f32(const float *p) { return *p; }
 static inline float ld1_bf16(const uint16_t *p) {
     uint32_t u = (uint32_t)*p << 16;
@@ -52,6 +57,7 @@ typedef __m512 VF;
 #define VFMA _mm512_fmadd_ps
 #define VSET1 _mm512_set1_ps
 #define VSUM _mm512_reduce_add_ps
+#define VADD _mm512_add_ps
 static inline VF ldv_f32(const float *p) { return _mm512_loadu_ps(p); }
 static inline VF ldv_bf16(const uint16_t *p) {
     __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
@@ -69,6 +75,7 @@ typedef __m256 VF;
 #define VMUL _mm256_mul_ps
 #define VFMA _mm256_fmadd_ps
 #define VSET1 _mm256_set1_ps
+#define VADD _mm256_add_ps
 static inline float VSUM(__m256 x) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -119,11 +126,10 @@ static inline void fold_page(float *s, float *acc, float *m, float *l, int64_t H
         float mx = m[g];
         for (int64_t j = 0; j < nt; j++) mx = sg[j] > mx ? sg[j] : mx;
         const float corr = expf(m[g] - mx); /* 0 on the first page: m = -inf */
+#pragma omp simd
+        for (int64_t j = 0; j < nt; j++) sg[j] = expf(sg[j] - mx); /* libmvec: vectorised */
         float sum = 0.0f;
-        for (int64_t j = 0; j < nt; j++) {
-            sg[j] = expf(sg[j] - mx);
-            sum += sg[j];
-        }
+        for (int64_t j = 0; j < nt; j++) sum += sg[j];
         l[g] = l[g] * corr + sum;
         m[g] = mx;
         if (corr != 1.0f)
@@ -416,6 +422,73 @@ static inline void prefetch_page(int fmt, const qpages *P, int64_t pg, int64_t b
     }
 }
 
+#if VEC_PATH
+/* An int4 page step without a dequantized copy: keys' per-channel scales fold into the
+ * query (q.(c*s + z) = (q*s).c + q.z, per page), values' per-token group scale and zero into
+ * the softmax weight (p*(c*s + z) = (p*s)*c + p*z); only the 4-bit codes are widened, a row
+ * at a time into L1. Same math as dequantizing first, other rounding (float-level). */
+static void page_int4_vec(const float *qb, const qpages *P, int64_t pgid, int64_t j0,
+                          int64_t nt, float *s, float *acc, float *m, float *l, int64_t Hq,
+                          int64_t Hkv, const int64_t D, int64_t bs, float scale, float *qs,
+                          float *qz, float *codes) {
+    const int64_t off = pgid * P->stride, D2 = D / 2, G = Hq / Hkv, C = D / VW;
+    const int64_t g = D < 32 ? D : 32, Gn = D / g;
+    const _Float16 *ks = (const _Float16 *)(P->ks + off), *kz = (const _Float16 *)(P->kz + off);
+    const _Float16 *vs = (const _Float16 *)(P->vs + off), *vz = (const _Float16 *)(P->vz + off);
+    const uint8_t *kd = P->k + off, *vd = P->v + off;
+    float *ksf = codes + D, *kzf = ksf + Hkv * D; /* the page's K scales, zeros as float */
+    for (int64_t i = 0; i < Hkv * D; i++) {
+        ksf[i] = (float)ks[i];
+        kzf[i] = (float)kz[i];
+    }
+    for (int64_t h = 0; h < Hkv; h++)
+        for (int64_t gi = h * G; gi < (h + 1) * G; gi++) {
+            VF z = VMUL(VLOAD(qb + gi * D), VLOAD(kzf + h * D));
+            VSTORE(qs + gi * D, VMUL(VLOAD(qb + gi * D), VLOAD(ksf + h * D)));
+            for (int64_t c = 1; c < C; c++) {
+                const VF qv = VLOAD(qb + gi * D + VW * c);
+                VSTORE(qs + gi * D + VW * c, VMUL(qv, VLOAD(ksf + h * D + VW * c)));
+                z = VFMA(qv, VLOAD(kzf + h * D + VW * c), z);
+            }
+            qz[gi] = VSUM(z);
+        }
+    for (int64_t j = 0; j < nt; j++)
+        for (int64_t h = 0; h < Hkv; h++) {
+            int4_codes(kd + ((j0 + j) * Hkv + h) * D2, D2, codes);
+            VF kv[MAX_CHUNKS];
+            for (int64_t c = 0; c < C; c++) kv[c] = VLOAD(codes + VW * c);
+            for (int64_t gi = h * G; gi < (h + 1) * G; gi++) {
+                const float *qr = qs + gi * D;
+                VF x = VMUL(VLOAD(qr), kv[0]);
+                for (int64_t c = 1; c < C; c++) x = VFMA(VLOAD(qr + VW * c), kv[c], x);
+                s[gi * bs + j] = (VSUM(x) + qz[gi]) * scale;
+            }
+        }
+    fold_page(s, acc, m, l, Hq, D, bs, nt);
+    for (int64_t j = 0; j < nt; j++)
+        for (int64_t h = 0; h < Hkv; h++) {
+            const int64_t r = (j0 + j) * Hkv + h;
+            int4_codes(vd + r * D2, D2, codes);
+            VF cv[MAX_CHUNKS];
+            for (int64_t c = 0; c < C; c++) cv[c] = VLOAD(codes + VW * c);
+            float sv[8], zv[8]; /* the row's group scales and zeros (Gn <= 8: D <= 256) */
+            for (int64_t c = 0; c < Gn; c++) {
+                sv[c] = (float)vs[r * Gn + c];
+                zv[c] = (float)vz[r * Gn + c];
+            }
+            for (int64_t gi = h * G; gi < (h + 1) * G; gi++) {
+                const float p = s[gi * bs + j];
+                float *ar = acc + gi * D;
+                for (int64_t c = 0; c < C; c++) {
+                    const int64_t grp = (VW * c) / g;
+                    const VF a = VSET1(p * sv[grp]), b = VSET1(p * zv[grp]);
+                    VSTORE(ar + VW * c, VADD(VFMA(a, cv[c], VLOAD(ar + VW * c)), b));
+                }
+            }
+        }
+}
+#endif
+
 static void seq_quant(int fmt, const float *qb, const qpages *P, const float *res_k,
                       const float *res_v, int64_t slot, const int64_t *table, int64_t lo,
                       int64_t L, float *ob, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs,
@@ -435,6 +508,13 @@ static void seq_quant(int fmt, const float *qb, const qpages *P, const float *re
         if (pg == tail) {
             kp = res_k + slot * bs * row + j0 * row;
             vp = res_v + slot * bs * row + j0 * row;
+#if VEC_PATH
+        } else if (fmt == QFMT_INT4 && vec_ok(D)) {
+            float *qs = vb + bs * row, *qz = qs + Hq * D;
+            page_int4_vec(qb, P, table[pg], j0, nt, s, acc, m, l, Hq, Hkv, D, bs, scale, qs, qz,
+                          qz + Hq);
+            continue;
+#endif
         } else {
             dequant_rows(fmt, P, table[pg], j0, nt, Hkv, D, kb, vb);
             kp = kb;
@@ -464,7 +544,10 @@ int kvmesh_decode_attention_quant(int fmt, const float *q, const uint8_t *k, con
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *work = malloc(sizeof(float) * (WORK_FLOATS(Hq, D, bs) + 2 * bs * Hkv * D));
+        /* + dequantized K and V of a page; int4's folded query, its zeros, codes, K scales */
+        float *work = malloc(sizeof(float) *
+                             (WORK_FLOATS(Hq, D, bs) + 2 * bs * Hkv * D + Hq * D + Hq + D +
+                              2 * Hkv * D));
         if (work == NULL) {
 #pragma omp atomic write
             failed = 1;
