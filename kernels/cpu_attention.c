@@ -352,6 +352,38 @@ static inline void int4_codes(const uint8_t *src, int64_t n, float *dst) {
     }
 }
 
+#if VEC_PATH
+/* A row of D int4 codes (D % 32 == 0) straight into D / VW float vectors, no store. */
+static inline void int4_vecs(const uint8_t *src, int64_t D, VF *out) {
+    const __m128i mask = _mm_set1_epi8(15);
+    for (int64_t j = 0; j < D / 2; j += 16) {
+        const __m128i b = _mm_loadu_si128((const __m128i *)(src + j));
+        const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+        const __m128i e0 = _mm_unpacklo_epi8(lo, hi), e1 = _mm_unpackhi_epi8(lo, hi);
+        VF *o = out + (2 * j) / VW;
+#if VEC_PATH == 512
+        o[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(e0));
+        o[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(e1));
+#else
+        o[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(e0));
+        o[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(e0, 8)));
+        o[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(e1));
+        o[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(e1, 8)));
+#endif
+    }
+}
+
+/* D / VW vectors of the codes of one row: in registers when D % 32 == 0, else via memory. */
+static inline void int4_row(const uint8_t *src, int64_t D, float *codes, VF *out) {
+    if (D % 32 == 0) {
+        int4_vecs(src, D, out);
+        return;
+    }
+    int4_codes(src, D / 2, codes);
+    for (int64_t c = 0; c < D / VW; c++) out[c] = VLOAD(codes + VW * c);
+}
+#endif
+
 typedef struct {
     const uint8_t *k, *ks, *kz, *v, *vs, *vz; /* component bases (page 0) */
     int64_t stride;                           /* bytes from one page to the next */
@@ -454,9 +486,8 @@ static void page_int4_vec(const float *qb, const qpages *P, int64_t pgid, int64_
         }
     for (int64_t j = 0; j < nt; j++)
         for (int64_t h = 0; h < Hkv; h++) {
-            int4_codes(kd + ((j0 + j) * Hkv + h) * D2, D2, codes);
             VF kv[MAX_CHUNKS];
-            for (int64_t c = 0; c < C; c++) kv[c] = VLOAD(codes + VW * c);
+            int4_row(kd + ((j0 + j) * Hkv + h) * D2, D, codes, kv);
             for (int64_t gi = h * G; gi < (h + 1) * G; gi++) {
                 const float *qr = qs + gi * D;
                 VF x = VMUL(VLOAD(qr), kv[0]);
@@ -468,9 +499,8 @@ static void page_int4_vec(const float *qb, const qpages *P, int64_t pgid, int64_
     for (int64_t j = 0; j < nt; j++)
         for (int64_t h = 0; h < Hkv; h++) {
             const int64_t r = (j0 + j) * Hkv + h;
-            int4_codes(vd + r * D2, D2, codes);
             VF cv[MAX_CHUNKS];
-            for (int64_t c = 0; c < C; c++) cv[c] = VLOAD(codes + VW * c);
+            int4_row(vd + r * D2, D, codes, cv);
             float sv[8], zv[8]; /* the row's group scales and zeros (Gn <= 8: D <= 256) */
             for (int64_t c = 0; c < Gn; c++) {
                 sv[c] = (float)vs[r * Gn + c];
