@@ -8,11 +8,16 @@
 * ``decode``: one layer's paged decode attention (SmolLM2: 9 query heads, 3 KV heads, D=64,
   pages of 16) for B sequences of L tokens, fp32 pages in C, int4/int8 pages in C (fused
   dequant), and int4 through the torch path the engine used before (gather + dequant + SDPA);
-* ``quantize``: full pages quantized into the pool, C vs the torch twin (+ scatter), per format.
+* ``quantize``: full pages quantized into the pool, C vs the torch twin (+ scatter), per format;
+* ``engine``: SmolLM2 through the engine, ``--engine-prompts`` prompts of 128 tokens and
+  ``--engine-tokens`` greedy tokens each, submitted together, for each KV cache format of
+  ``--engine-formats`` and GEMM mode of ``--gemm-modes`` (``kernels.autotune``), the configs
+  run in turn for ``--engine-rounds`` rounds (best of each kept): output tokens/s, ratios to
+  the first config, and whether greedy tokens equal the first config's.
 
 Prints one JSON object on stdout.
 
-    python bench/cpu_kernels.py [--parts gemm,bandwidth,decode,quantize] [--threads 2]
+    python bench/cpu_kernels.py [--parts gemm,bandwidth,decode,quantize,engine] [--threads 2]
 """
 
 from __future__ import annotations
@@ -174,12 +179,58 @@ def bench_quantize(rounds: int, lib) -> dict:
     return out
 
 
+def bench_engine(args) -> dict:
+    from kvmesh.kernels import autotune
+    from kvmesh.worker import LLM, SamplingParams
+
+    text = (
+        Path(__file__).resolve().parents[1].parent / "shared/data/tinyshakespeare.txt"
+    ).read_text()
+    configs = [(f, m) for f in args.engine_formats.split(",") for m in args.gemm_modes.split(",")]
+    llms, prompts = {}, None
+    for fmt, mode in configs:
+        os.environ["KVMESH_GEMM"] = mode
+        autotune._default = None  # a fresh process tuner in this mode
+        llm = LLM("smollm2-135m-instruct", kv_cache_dtype=fmt, kv_cache_memory="512MiB")
+        if prompts is None:
+            ids = llm.tokenizer.encode(text[:200_000])
+            prompts = [ids[i * 128 : (i + 1) * 128] for i in range(args.engine_prompts)]
+        warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        llm.generate([p[:64] for p in prompts], warm)  # tunes this mode's GEMM buckets
+        llms[(fmt, mode)] = llm
+    params = SamplingParams(max_tokens=args.engine_tokens, temperature=0.0, ignore_eos=True)
+    best, tokens = {}, {}
+    for _ in range(args.engine_rounds):
+        for key, llm in llms.items():
+            llm.reset_prefix_cache()
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params)
+            dt = time.perf_counter() - t0
+            best[key] = min(best.get(key, dt), dt)
+            tokens[key] = [o.token_ids for o in outs]
+    base = configs[0]
+    n = len(prompts) * args.engine_tokens
+    return {
+        f"{fmt} gemm={mode}": {
+            "out_tok_s": round(n / best[(fmt, mode)], 2),
+            f"vs_{base[0]}_{base[1]}": round(best[base] / best[(fmt, mode)], 3),
+            "same_tokens_as_base": sum(a == b for a, b in zip(tokens[(fmt, mode)], tokens[base])),
+        }
+        for fmt, mode in configs
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--parts", default="gemm,bandwidth,decode,quantize")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--layers", type=int, default=8, help="decode: layers (pools) a step reads")
+    ap.add_argument("--engine-formats", default="fp32,int4")
+    ap.add_argument("--gemm-modes", default="exact")
+    ap.add_argument("--engine-prompts", type=int, default=16)
+    ap.add_argument("--engine-tokens", type=int, default=32)
+    ap.add_argument("--engine-rounds", type=int, default=2)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -200,6 +251,8 @@ def main() -> None:
         res["decode"] = bench_decode(args.rounds, lib, args.layers)
     if "quantize" in parts:
         res["quantize"] = bench_quantize(args.rounds, lib)
+    if "engine" in parts:
+        res["engine"] = bench_engine(args)
     res["loadavg_at_end"] = round(os.getloadavg()[0], 2)
     print(json.dumps(res, indent=1))
 
