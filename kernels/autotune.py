@@ -236,17 +236,16 @@ class GemmTuner:
                 ref = candidates["linear"]()
                 exact = lambda n: torch.equal(candidates[n](), ref)  # noqa: E731
             names = [n for n in names if n == "linear" or exact(n)]
-        times = self.timer({n: candidates[n] for n in names}, self.rounds)
-        choice = min(names, key=lambda n: times[n])
+        if len(names) == 1:  # nothing to race (exact mode left only F.linear)
+            choice, us = names[0], {}
+            why = "the only candidate bit-identical to F.linear"
+        else:
+            times = self.timer({n: candidates[n] for n in names}, self.rounds)
+            choice = min(names, key=lambda n: times[n])
+            us = {n: round(times[n] * 1e6, 1) for n in names}
+            why = "median us: " + ", ".join(f"{n} {t:g}" for n, t in us.items())
         self.measured += 1
-        us = {n: round(times[n] * 1e6, 1) for n in names}
-        log.info(
-            "GEMM %s rows<=%d: %s (median us: %s)",
-            _name(shape),
-            rows,
-            choice,
-            ", ".join(f"{n} {t:g}" for n, t in us.items()),
-        )
+        log.info("GEMM %s rows<=%d: %s (%s)", _name(shape), rows, choice, why)
         entry = {
             "format": CACHE_FORMAT,
             "machine": machine_key(),
