@@ -33,7 +33,7 @@ BUILDS = ["native", "avx2", "portable"]
 def libraries(tmp_path_factory):
     """Every build. No compiler is a failure that says how to install one, not a skip. The
     CI machines are x86-64 with AVX2 (most with AVX-512): the native build must vectorise."""
-    d = tmp_path_factory.mktemp("cpu-kernels")
+    d = tmp_path_factory.getbasetemp() / "cpu-kernels"  # one build per flag set per session
     cc = envs.c_compiler()
     flags = _cpu_flags()
     builds = {
@@ -174,12 +174,12 @@ def _quant_args(sim, q, scale, window=None):
 
 @pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("fmt", ["int8", "fp8", "int4"])
-@pytest.mark.parametrize("Hq,Hkv,D", [(9, 3, 64), (8, 2, 128), (4, 4, 48), (6, 2, 20)])
+@pytest.mark.parametrize("Hq,Hkv,D", [(9, 3, 64), (8, 2, 128), (6, 2, 20)])
 def test_quantized_pages_match_torch_twin(libraries, build, fmt, Hq, Hkv, D):
     """Quantized pages dequantized in the kernel (the same stored scales and arithmetic as the
     torch twin), the partial last page from the residual, exactly full pages with no tail."""
     if fmt == "int4" and D % min(32, D):
-        D = 64  # int4 needs D divisible by its value group
+        D = 32  # int4 needs D divisible by its value group
     sim = _sim(fmt, Hkv, D, [[37, 32, 1, 90], [2, 0, 0, 6]], seed=Hq + D)
     q = torch.randn(4, Hq, D, generator=torch.Generator().manual_seed(Hq * 3 + D))
     for window in (None, 20, 1):

@@ -18,7 +18,7 @@ _FLAGS = {
 @pytest.fixture(scope="module", params=list(_FLAGS))
 def lib(request, tmp_path_factory):
     flags = _FLAGS[request.param]
-    d = tmp_path_factory.mktemp("cpu-ops")
+    d = tmp_path_factory.getbasetemp() / "cpu-kernels"  # shared with the other kernel tests
     return cpu_native.CpuLibrary(
         cpu_native.compile_library(build_dir=d, cc=envs.c_compiler(), flags=flags)
     )

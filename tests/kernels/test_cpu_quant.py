@@ -18,7 +18,7 @@ from kvmesh.worker import envs
 @pytest.fixture(scope="module", params=["native", "portable"])
 def lib(request, tmp_path_factory):
     flags = cpu_native.NATIVE_FLAGS if request.param == "native" else cpu_native.PORTABLE_FLAGS
-    d = tmp_path_factory.mktemp("cpu-quant")
+    d = tmp_path_factory.getbasetemp() / "cpu-kernels"  # shared with the other kernel tests
     return cpu_native.CpuLibrary(
         cpu_native.compile_library(build_dir=d, cc=envs.c_compiler(), flags=flags)
     )
