@@ -32,6 +32,14 @@ def cpu_kernels_enabled() -> bool:
     return _str("KVMESH_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def gemm_mode() -> str:
+    """KVMESH_GEMM: how CPU linear layers pick their GEMM (``kernels.autotune``): ``exact``
+    (default: the fastest measured on this machine among those bit-identical to
+    ``F.linear``, cached under KVMESH_CACHE_DIR), ``auto`` (the fastest, oneDNN included,
+    which rounds differently), ``legacy``, or one of ``linear``, ``mkl``, ``onednn``."""
+    return _str("KVMESH_GEMM", "exact").strip().lower() or "exact"
+
+
 def c_compiler() -> str:
     """CC: the C compiler that builds the CPU kernels (default ``cc``)."""
     return _str("CC", "") or "cc"

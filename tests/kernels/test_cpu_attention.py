@@ -1,7 +1,8 @@
 """The C decode kernel (kernels/cpu_attention.c) against its torch twin and a dense fp64
-reference: both builds (native, AVX-512 where the CPU has it; portable, scalar), every float
-format, GQA ratios, odd lengths, random block tables, sliding windows, head sizes off the
-vector width."""
+reference: every build the machine runs (native, AVX-512 where the CPU has it; AVX2, native
+with AVX-512 turned off; portable, scalar), every cache format (float pages read as stored,
+fp8/int8/int4 pages dequantized in the kernel with the tail in the residual), GQA ratios, odd
+lengths, random block tables, sliding windows, head sizes off the vector width."""
 
 import math
 
@@ -18,17 +19,35 @@ from kvmesh.worker import envs
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
+def _cpu_flags() -> set[str]:
+    for line in open("/proc/cpuinfo"):
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+BUILDS = ["native", "avx2", "portable"]
+
+
 @pytest.fixture(scope="module")
 def libraries(tmp_path_factory):
-    """Both builds. No compiler is a failure that says how to install one, not a skip."""
-    d = tmp_path_factory.mktemp("cpu-kernels")
+    """Every build. No compiler is a failure that says how to install one, not a skip. The
+    CI machines are x86-64 with AVX2 (most with AVX-512): the native build must vectorise."""
+    d = tmp_path_factory.getbasetemp() / "cpu-kernels"  # one build per flag set per session
     cc = envs.c_compiler()
-    native = cpu_native.CpuLibrary(cpu_native.compile_library(build_dir=d, cc=cc))
-    portable = cpu_native.CpuLibrary(
-        cpu_native.compile_library(build_dir=d, cc=cc, flags=cpu_native.PORTABLE_FLAGS)
-    )
-    assert not portable.vectorized
-    return {"native": native, "portable": portable}
+    flags = _cpu_flags()
+    builds = {
+        name: cpu_native.CpuLibrary(cpu_native.compile_library(build_dir=d, cc=cc, flags=f))
+        for name, f in (
+            ("native", cpu_native.NATIVE_FLAGS),
+            ("avx2", cpu_native.AVX2_FLAGS),
+            ("portable", cpu_native.PORTABLE_FLAGS),
+        )
+    }
+    assert builds["native"].vector_bits == (512 if "avx512f" in flags else 256)
+    assert builds["avx2"].vector_bits == 256
+    assert builds["portable"].vector_bits == 0
+    return builds
 
 
 def _sim(fmt, Hkv, D, steps, seed, bs=16, num_pages=40, max_pages=6):
@@ -60,7 +79,7 @@ def _args(sim, q, scale, window=None):
     )
 
 
-@pytest.mark.parametrize("build", ["native", "portable"])
+@pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("fmt", ["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("Hq,Hkv,D", [(9, 3, 64), (8, 2, 128), (5, 1, 32), (4, 4, 48), (6, 2, 20)])
 def test_matches_torch_twin(libraries, build, fmt, Hq, Hkv, D):
@@ -128,12 +147,83 @@ def test_bad_arguments_are_named(libraries):
         run(**{**args, "block_tables": args["block_tables"].int()})
     with pytest.raises(ValueError, match="multiple of 2"):
         run(**{**args, "q": torch.randn(1, 3, 32)})
-    with pytest.raises(ValueError, match="float formats"):
-        run(**{**args, "fmt": "int8"})
+    with pytest.raises(ValueError, match="reads formats"):
+        run(**{**args, "fmt": "nf4"})
     with pytest.raises(ValueError, match="fewer pages"):
         run(**{**args, "context_lens": torch.tensor([10_000])})
     with pytest.raises(ValueError, match="sliding_window"):
         run(**{**args, "sliding_window": 0})
+
+
+def _quant_args(sim, q, scale, window=None):
+    tables, ctx, slots = sim.read_meta()
+    rk, rv = sim.residual_kv()
+    return dict(
+        q=q,
+        fmt=sim.fmt,
+        cache=sim.views(),
+        residual_k=rk,
+        residual_v=rv,
+        block_tables=tables,
+        context_lens=ctx,
+        residual_slots=slots,
+        scale=scale,
+        sliding_window=window,
+    )
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "int4"])
+@pytest.mark.parametrize("Hq,Hkv,D", [(9, 3, 64), (8, 2, 128), (6, 2, 20)])
+def test_quantized_pages_match_torch_twin(libraries, build, fmt, Hq, Hkv, D):
+    """Quantized pages dequantized in the kernel (the same stored scales and arithmetic as the
+    torch twin), the partial last page from the residual, exactly full pages with no tail."""
+    if fmt == "int4" and D % min(32, D):
+        D = 32  # int4 needs D divisible by its value group
+    sim = _sim(fmt, Hkv, D, [[37, 32, 1, 90], [2, 0, 0, 6]], seed=Hq + D)
+    q = torch.randn(4, Hq, D, generator=torch.Generator().manual_seed(Hq * 3 + D))
+    for window in (None, 20, 1):
+        args = _quant_args(sim, q, 1 / math.sqrt(D), window)
+        want = paged_decode_attention_torch(**args)
+        got = cpu_attention.paged_decode_attention_cpu(**args, library=libraries[build])
+        assert got.dtype == q.dtype and got.shape == q.shape
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_quantized_null_page_and_pool_poison_outside_pages(libraries):
+    """The kernel reads only its sequences' pages and the residual slots it is given:
+    poisoning the null page and unused residual slots with NaN changes nothing."""
+    sim = _sim("int4", 2, 64, [[5, 33, 48]], seed=5, num_pages=30)
+    args = _quant_args(sim, torch.randn(3, 4, 64), 0.2)
+    want = paged_decode_attention_torch(**args)
+    args["block_tables"] = torch.cat(
+        [args["block_tables"], torch.zeros(3, 2, dtype=torch.int64)], 1
+    )
+    sim.buf[0] = 255  # every int4 code 15, every scale NaN
+    used = {r.slot for r in sim.reqs if r.ctx % sim.bs}
+    for slot in set(range(sim.residual.shape[2])) - used:
+        sim.residual[:, :, slot] = float("nan")
+    for lib in libraries.values():
+        got = cpu_attention.paged_decode_attention_cpu(**args, library=lib)
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_quantized_bad_arguments_are_named(libraries):
+    sim = _sim("int8", 2, 32, [[3, 20]], seed=1)
+    args = {**_quant_args(sim, torch.randn(2, 4, 32), 0.5), "library": libraries["native"]}
+    run = cpu_attention.paged_decode_attention_cpu
+    with pytest.raises(ValueError, match="residual_k must be contiguous float32"):
+        run(
+            **{
+                **args,
+                "residual_k": args["residual_k"].half(),
+                "residual_v": args["residual_v"].half(),
+            }
+        )
+    with pytest.raises(ValueError, match="residual_slots name a slot"):
+        run(**{**args, "residual_slots": torch.tensor([99, -1])})
+    with pytest.raises(ValueError, match="int8 needs residual_k"):
+        run(**{**args, "residual_k": None})
 
 
 def test_missing_compiler_names_the_fix(tmp_path):

@@ -1,5 +1,6 @@
-"""The fused elementwise C ops (kernels/cpu_ops.c) against their torch twins, native and
-portable builds; and the engine's C path against the pure torch path on a tiny model."""
+"""The fused elementwise C ops (kernels/cpu_ops.c) against their torch twins, native, AVX2
+(native with AVX-512 off: the compiler's AVX2 code for the same loops) and portable builds;
+and the engine's C path against the pure torch path on a tiny model."""
 
 import pytest
 import torch
@@ -7,11 +8,17 @@ import torch
 from kvmesh.kernels import cpu_native, cpu_ops
 from kvmesh.worker import envs
 
+_FLAGS = {
+    "native": cpu_native.NATIVE_FLAGS,
+    "avx2": cpu_native.AVX2_FLAGS,
+    "portable": cpu_native.PORTABLE_FLAGS,
+}
 
-@pytest.fixture(scope="module", params=["native", "portable"])
+
+@pytest.fixture(scope="module", params=list(_FLAGS))
 def lib(request, tmp_path_factory):
-    flags = cpu_native.NATIVE_FLAGS if request.param == "native" else cpu_native.PORTABLE_FLAGS
-    d = tmp_path_factory.mktemp("cpu-ops")
+    flags = _FLAGS[request.param]
+    d = tmp_path_factory.getbasetemp() / "cpu-kernels"  # shared with the other kernel tests
     return cpu_native.CpuLibrary(
         cpu_native.compile_library(build_dir=d, cc=envs.c_compiler(), flags=flags)
     )

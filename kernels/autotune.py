@@ -1,0 +1,279 @@
+"""GEMM kernels chosen by measurement on the machine at hand, cached per machine.
+
+Which CPU GEMM is fastest for a decode-sized product depends on the CPU: on an AVX-512
+machine MKL's packed SGEMM beat ``F.linear`` for 9-64 rows; on a 2-core AVX2/AVX-512 AMD EPYC
+it is 2-3x *slower* than ``F.linear``, and oneDNN with a prepacked weight (what vLLM's CPU
+build runs) is faster than both. So ``kernels.cpu_linear.PackedLinear`` asks a ``GemmTuner``
+which candidate to run for each (weight shape, row bucket) and the tuner times them:
+
+* ``linear``: ``F.linear`` (MKL's sgemm, which repacks the weight on every call);
+* ``mkl``: MKL's packed SGEMM, weight packed once for 32 rows, rows padded to 32;
+* ``onednn``: ``torch.ops.mkldnn._linear_pointwise`` over a weight reordered once into
+  oneDNN's blocked layout.
+
+Rows are bucketed by the next power of two (1, 2, 4, ..., 2048; more rows use the last
+bucket). A bucket is measured the first time a product of that size runs: every candidate
+on the real weight, interleaved in rounds, median time, fastest wins. The choice is cached in
+memory (every layer shares a shape) and on disk, in ``<cache_dir>/autotune/gemm.json``, keyed
+by the CPU model, its flags, the torch version, the thread count and the shape: a cache
+copied from another machine (other flags) or made by another torch is not used, its entries
+are re-measured (and kept beside the new ones); a file that cannot be read is ignored with a
+warning and rewritten. Each choice is logged on one line.
+
+Numerics: ``linear`` and ``mkl`` (16 rows and up) give bit-identical results; ``onednn``
+accumulates in another order and differs from ``F.linear`` by float rounding (~1e-5
+relative). The engine's default mode, ``exact``, keeps only candidates whose output equals
+``F.linear``'s bit for bit at every row count of the bucket (checked once, when measured), so
+results are what they were before autotuning. ``auto`` takes the fastest, oneDNN included:
+faster on the machines measured, but its last-bit differences flip int8/int4 codes of the
+quantized KV cache, so greedy tokens no longer equal the fake-quantized transformers
+reference of tests/integration/test_quantized_engine.py (measured: int8 test fails under
+``auto``, passes under ``exact``/``legacy``). ``KVMESH_GEMM`` sets the mode: ``exact``,
+``auto``, ``legacy`` (the fixed rule before autotuning: MKL packed for 9-64 rows, else
+``F.linear``), or one candidate's name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CANDIDATES = ("linear", "mkl", "onednn")
+MODES = ("auto", "exact", "legacy", *CANDIDATES)
+BUCKETS = tuple(2**i for i in range(12))  # 1 .. 2048 rows
+CACHE_FORMAT = 1  # bumped when the candidates or the timing change: old entries are stale
+ROUNDS = 7
+
+
+def bucket(rows: int) -> int:
+    """The bucket of a product with ``rows`` rows: the next power of two, at most 2048."""
+    for b in BUCKETS:
+        if rows <= b:
+            return b
+    return BUCKETS[-1]
+
+
+_CPU: tuple[str, str] | None = None
+
+
+def _cpu() -> tuple[str, str]:
+    """(model name, hash of the sorted flags), read once."""
+    global _CPU
+    if _CPU is None:
+        model, flags = None, ""
+        try:
+            with open("/proc/cpuinfo") as f:
+                for line in f:
+                    key, _, value = line.partition(":")
+                    key = key.strip()
+                    if key == "model name" and model is None:
+                        model = value.strip()
+                    elif key in ("flags", "Features") and not flags:
+                        flags = " ".join(sorted(value.split()))
+        except OSError:
+            pass
+        model = model or platform.processor() or platform.machine()
+        _CPU = (model, hashlib.sha256(flags.encode()).hexdigest()[:16])
+    return _CPU
+
+
+def machine_key() -> dict:
+    """What a measurement is valid for: CPU model and flags, torch version, threads now."""
+    model, flags = _cpu()
+    return {
+        "cpu": model,
+        "flags": flags,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def _time_rounds(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
+    """Median seconds per call of each function, timed in interleaved rounds (a load spike
+    from another process then hits every candidate alike)."""
+    for f in fns.values():
+        f()  # warm: first-call allocations, lazy packing
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, f in fns.items():
+            t = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+class GemmTuner:
+    """Chooses a GEMM candidate per (weight shape, bias, row bucket); see the module doc.
+
+    ``cache_path``: the JSON file (None: memory only). ``mode``: one of ``MODES`` (the
+    class defaults to ``auto``; the engine's process tuner to ``$KVMESH_GEMM``, ``exact``).
+    ``timer``: replaces the measurement (tests), ``timer(fns, rounds) -> {name: seconds}``.
+    """
+
+    def __init__(
+        self,
+        cache_path: Path | None = None,
+        *,
+        mode: str = "auto",
+        rounds: int = ROUNDS,
+        timer: Callable[[dict, int], dict[str, float]] | None = None,
+    ):
+        if mode not in MODES:
+            raise ValueError(f"unknown GEMM mode {mode!r}; accepted: {', '.join(MODES)}")
+        self.cache_path = Path(cache_path) if cache_path is not None else None
+        self.mode = mode
+        self.rounds = rounds
+        self.timer = timer or _time_rounds
+        self.measured = 0  # (shape, bucket) pairs timed by this tuner (tests, logs)
+        self._lock = threading.Lock()
+        self._choices: dict[tuple, str] = {}
+        self._disk: list[dict] | None = None  # entries read from the file, all machines
+
+    # ---------------------------------------------------------------- the cache file
+
+    def _entry_matches(self, e: dict, shape: tuple, rows: int) -> bool:
+        return (
+            e.get("format") == CACHE_FORMAT
+            and e.get("machine") == machine_key()
+            and e.get("shape") == list(shape)
+            and e.get("rows") == rows
+            and e.get("mode") == self.mode
+            and e.get("choice") in CANDIDATES
+        )
+
+    def _load(self) -> list[dict]:
+        if self._disk is not None:
+            return self._disk
+        self._disk = []
+        if self.cache_path is None or not self.cache_path.exists():
+            return self._disk
+        try:
+            data = json.loads(self.cache_path.read_text())
+            entries = data["entries"]
+            if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+                raise ValueError("'entries' is not a list of objects")
+            self._disk = entries
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.warning(
+                "GEMM autotune cache %s is unreadable (%s): ignoring it, re-measuring",
+                self.cache_path,
+                e,
+            )
+        return self._disk
+
+    def _save(self, entry: dict) -> None:
+        self._disk = [e for e in self._load() if not self._same_slot(e, entry)] + [entry]
+        if self.cache_path is None:
+            return
+        try:
+            self.cache_path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".json", dir=self.cache_path.parent)
+            with os.fdopen(fd, "w") as f:
+                json.dump({"format": CACHE_FORMAT, "entries": self._disk}, f, indent=1)
+            os.replace(tmp, self.cache_path)  # readers never see a partial file
+        except OSError as e:
+            log.warning("could not write the GEMM autotune cache %s: %s", self.cache_path, e)
+
+    @staticmethod
+    def _same_slot(a: dict, b: dict) -> bool:
+        keys = ("machine", "shape", "rows", "mode")
+        return all(a.get(k) == b.get(k) for k in keys)
+
+    # ---------------------------------------------------------------- choosing
+
+    def choose(
+        self,
+        shape: tuple,
+        rows: int,
+        candidates: dict[str, Callable[[], torch.Tensor]],
+        exact: Callable[[str], bool] | None = None,
+    ):
+        """The candidate name for a product of ``shape`` (N, K, has_bias) at bucket ``rows``.
+        ``candidates``: name -> a call computing the product on a tuning input of ``rows``
+        rows (only those available on this machine; ``linear`` always). ``exact(name)``:
+        whether a candidate is bit-equal to ``F.linear`` over the bucket's row counts (mode
+        ``exact``; default: compared on the tuning input only)."""
+        key = (*shape, rows, torch.get_num_threads())
+        with self._lock:
+            got = self._choices.get(key)
+            if got is not None and got in candidates:
+                return got
+            if self.mode in CANDIDATES:
+                choice = self.mode if self.mode in candidates else "linear"
+            elif self.mode == "legacy":
+                choice = "mkl" if "mkl" in candidates and 8 < rows <= 64 else "linear"
+            else:
+                choice = self._cached(shape, rows, candidates) or self._measure(
+                    shape, rows, candidates, exact
+                )
+            self._choices[key] = choice
+            return choice
+
+    def _cached(self, shape, rows, candidates) -> str | None:
+        for e in self._load():
+            if self._entry_matches(e, shape, rows) and e["choice"] in candidates:
+                log.debug("GEMM %s rows<=%d: %s (cached)", _name(shape), rows, e["choice"])
+                return e["choice"]
+        return None
+
+    def _measure(self, shape, rows, candidates, exact=None) -> str:
+        names = list(candidates)
+        if self.mode == "exact":
+            if exact is None:
+                ref = candidates["linear"]()
+                exact = lambda n: torch.equal(candidates[n](), ref)  # noqa: E731
+            names = [n for n in names if n == "linear" or exact(n)]
+        if len(names) == 1:  # nothing to race (exact mode left only F.linear)
+            choice, us = names[0], {}
+            why = "the only candidate bit-identical to F.linear"
+        else:
+            times = self.timer({n: candidates[n] for n in names}, self.rounds)
+            choice = min(names, key=lambda n: times[n])
+            us = {n: round(times[n] * 1e6, 1) for n in names}
+            why = "median us: " + ", ".join(f"{n} {t:g}" for n, t in us.items())
+        self.measured += 1
+        log.info("GEMM %s rows<=%d: %s (%s)", _name(shape), rows, choice, why)
+        entry = {
+            "format": CACHE_FORMAT,
+            "machine": machine_key(),
+            "shape": list(shape),
+            "rows": rows,
+            "mode": self.mode,
+            "choice": choice,
+            "us": us,
+        }
+        self._save(entry)
+        return choice
+
+
+def _name(shape) -> str:
+    n, k, bias = shape
+    return f"{k}->{n}{' +bias' if bias else ''}"
+
+
+_default: GemmTuner | None = None
+_default_lock = threading.Lock()
+
+
+def default_tuner() -> GemmTuner:
+    """The process's tuner: cache under ``$KVMESH_CACHE_DIR/autotune``, mode ``$KVMESH_GEMM``."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            from kvmesh.worker import envs
+
+            _default = GemmTuner(envs.cache_dir() / "autotune" / "gemm.json", mode=envs.gemm_mode())
+        return _default

@@ -1,0 +1,120 @@
+"""The GEMM autotuner's cache (kernels/autotune.py): choices are measured once per machine and
+reused; entries from another machine or another cache format are re-measured; an unreadable
+file is ignored with a warning."""
+
+import json
+import logging
+
+import pytest
+import torch
+
+from kvmesh.kernels import autotune
+from kvmesh.kernels.autotune import GemmTuner
+from kvmesh.kernels.cpu_linear import PackedLinear
+
+
+class FakeTimer:
+    """Times nothing: says ``fastest`` is fastest, and counts the measurements."""
+
+    def __init__(self, fastest="onednn"):
+        self.fastest, self.calls = fastest, 0
+
+    def __call__(self, fns, rounds):
+        self.calls += 1
+        return {n: (1.0 if n == self.fastest else 2.0) for n in fns}
+
+
+def _run(tuner, rows=16):
+    lin = PackedLinear(torch.randn(48, 32), tuner=tuner)
+    lin(torch.randn(rows, 32))
+    return lin
+
+
+def test_choice_is_measured_once_then_read_from_disk(tmp_path, caplog):
+    path = tmp_path / "autotune" / "gemm.json"
+    timer = FakeTimer("onednn")
+    with caplog.at_level(logging.INFO, logger="kvmesh.kernels.autotune"):
+        lin = _run(GemmTuner(path, timer=timer))
+    assert lin.plan == {16: "onednn"} and timer.calls == 1
+    assert any("GEMM 32->48 rows<=16: onednn" in r.getMessage() for r in caplog.records)
+    entries = json.loads(path.read_text())["entries"]
+    assert len(entries) == 1 and entries[0]["machine"] == autotune.machine_key()
+    # a second process (a fresh tuner) on the same machine measures nothing
+    again = FakeTimer("linear")
+    assert _run(GemmTuner(path, timer=again)).plan == {16: "onednn"} and again.calls == 0
+    # another bucket is measured and added beside the first
+    _run(GemmTuner(path, timer=again), rows=3)
+    assert again.calls == 1 and len(json.loads(path.read_text())["entries"]) == 2
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("flags", "0123456789abcdef"), ("cpu", "Another CPU"), ("torch", "1.0.0"), ("format", 0)],
+)
+def test_foreign_or_stale_entries_are_remeasured_and_kept(tmp_path, field, value):
+    path = tmp_path / "gemm.json"
+    _run(GemmTuner(path, timer=FakeTimer("mkl")))
+    data = json.loads(path.read_text())
+    (entry,) = data["entries"]
+    if field == "format":
+        entry["format"] = value  # made by an older kvmesh's candidate set
+    else:
+        entry["machine"][field] = value  # copied from another machine / torch
+    path.write_text(json.dumps(data))
+    timer = FakeTimer("onednn")
+    assert _run(GemmTuner(path, timer=timer)).plan == {16: "onednn"}
+    assert timer.calls == 1
+    entries = json.loads(path.read_text())["entries"]
+    choices = sorted(e["choice"] for e in entries)
+    if field == "format":
+        assert choices == ["onednn"]  # the stale entry of this machine is replaced
+    else:
+        assert choices == ["mkl", "onednn"]  # the foreign entry stays for its own machine
+
+
+@pytest.mark.parametrize(
+    "text", ["{not json", '{"entries": 3}', '{"format": 1}', "[1, 2]", '{"entries": [1]}']
+)
+def test_corrupt_cache_is_ignored_with_a_warning_and_rewritten(tmp_path, caplog, text):
+    path = tmp_path / "gemm.json"
+    path.write_text(text)
+    timer = FakeTimer("onednn")
+    with caplog.at_level(logging.WARNING, logger="kvmesh.kernels.autotune"):
+        assert _run(GemmTuner(path, timer=timer)).plan == {16: "onednn"}
+    assert timer.calls == 1
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any("unreadable" in m and str(path) in m for m in msgs)
+    assert json.loads(path.read_text())["entries"][0]["choice"] == "onednn"
+
+
+def test_fixed_modes_measure_nothing_and_bad_mode_is_named(tmp_path):
+    timer = FakeTimer()
+    assert _run(GemmTuner(tmp_path / "g.json", mode="mkl", timer=timer)).plan == {16: "mkl"}
+    legacy = GemmTuner(None, mode="legacy", timer=timer)
+    assert _run(legacy, rows=8).plan == {8: "linear"} and _run(legacy, rows=9).plan == {16: "mkl"}
+    assert timer.calls == 0 and not (tmp_path / "g.json").exists()
+    with pytest.raises(ValueError, match="unknown GEMM mode 'fastest'.*auto"):
+        GemmTuner(None, mode="fastest")
+
+
+def test_exact_mode_keeps_only_bit_equal_candidates():
+    seen = []
+
+    def timer(fns, rounds):
+        seen.append(set(fns))
+        return {n: (1.0 if n == "onednn" else 2.0) for n in fns}
+
+    lin = _run(GemmTuner(None, mode="exact", timer=timer), rows=16)
+    # oneDNN rounds differently: never raced (nor is a lone bit-exact candidate timed)
+    assert all("onednn" not in names and "linear" in names for names in seen)
+    assert all(len(names) > 1 for names in seen)
+    assert lin.plan[16] in ("linear", "mkl")
+
+
+def test_real_measurement_picks_a_candidate_and_logs_times(tmp_path, caplog):
+    tuner = GemmTuner(tmp_path / "g.json", rounds=2)
+    with caplog.at_level(logging.INFO, logger="kvmesh.kernels.autotune"):
+        lin = _run(tuner, rows=5)
+    assert lin.plan[8] in autotune.CANDIDATES and tuner.measured == 1
+    (msg,) = [r.getMessage() for r in caplog.records if "GEMM" in r.getMessage()]
+    assert "median us: linear" in msg and "mkl" in msg and "onednn" in msg
