@@ -34,6 +34,7 @@ class FlushReport:
     device_pages_spilled: int = 0  # device pages dropped to the store tiers
     host_pages_written: int = 0  # host pages written to the shared tier
     host_pages_already: int = 0  # host pages the shared tier held already
+    pages_written: int = 0  # pages that reached the shared tier, from either step
     pages_left: int = 0  # not written: the deadline passed, or the tier failed
     timed_out: bool = False
     seconds: float = 0.0
@@ -69,6 +70,9 @@ def flush_to_shared(
         res = engine.store.flush_down(left)
         rep.host_pages_written = res.written
         rep.host_pages_already = res.already
+        # without a host tier the device spill went straight to Redis
+        direct = engine.store.tiers[0].name == SHARED_TIER
+        rep.pages_written = res.written + (rep.device_pages_spilled if direct else 0)
         rep.pages_left = res.left
         rep.timed_out = res.timed_out
     except Exception as e:  # a shutdown must go on whatever the tiers do
