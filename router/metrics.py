@@ -200,6 +200,7 @@ def _snapshot(core: RouterCore) -> dict:
         "policy": core.policy.name,
         "draining": len(core.draining),
         "autoscale": core.autoscale_config,
+        "last_scaling": list(core.scaling)[-3:],
     }
 
 
@@ -300,6 +301,20 @@ class _RouterCollector(Collector):
             bounds.add_metric([*mn, "min"], cfg["min_workers"])
             bounds.add_metric([*mn, "max"], cfg["max_workers"])
             yield bounds
+        last = GaugeMetricFamily(
+            PREFIX + "autoscale_decision_info",
+            "The latest autoscaling decisions (at most 3), value: when (unix seconds), with "
+            "their action, worker counts, cause, reason and the worker retired or started.",
+            labels=["model_name", "action", "from_workers", "to_workers", "cause", "reason",
+                    "worker"],
+        )  # fmt: skip
+        for d in snap["last_scaling"]:
+            last.add_metric(
+                [*mn, str(d.get("action")), str(d.get("from_workers")), str(d.get("to_workers")),
+                 str(d.get("cause")), str(d.get("reason")), str(d.get("worker") or "")],
+                float(d.get("at", 0.0)),
+            )  # fmt: skip
+        yield last
 
 
 __all__ = ["RouterMetrics", "removal_cause"]
