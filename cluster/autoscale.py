@@ -328,7 +328,11 @@ class Autoscaler:
         view = ray.get(cl.router.autoscale_view.remote(self.cfg.look_back_s), timeout=30)
         live_names = {w["name"] for w in view["workers"].values()}
         pending = cl.pending_workers(live_names)
-        d = self.policy.observe(Signals.from_view(view, pending=len(pending)))
+        # a worker the cluster owns that is not live (Ray restarting it, or its registration
+        # lost) counts as pending too: the bounds count actors, and no load-based action is
+        # taken until it is back, so a restart never triggers a scale-up
+        absent = sum(name not in live_names for name in list(cl.worker_names))
+        d = self.policy.observe(Signals.from_view(view, pending=len(pending) + absent))
         if d is None:
             return None
         t0 = time.monotonic()

@@ -233,3 +233,33 @@ def test_decisions_reach_the_router_stats():
     core.record_scaling({"action": "up", "cause": "high_load", "reason": "x", "inputs": {}})
     st = core.stats()["autoscale"]
     assert st["counts"] == {"up": 1} and st["decisions"][0]["reason"] == "x"
+
+
+# ---------------------------------------------------------------- kvmesh serve's flags
+
+
+def _serve(argv: str):
+    from kvmesh.cluster.cli import build_parser
+    from kvmesh.cluster.serve import config_from_args
+
+    return config_from_args(build_parser().parse_args(["serve", *argv.split()]))
+
+
+def test_serve_flags_make_the_autoscale_config():
+    fixed = _serve("--workers 3")
+    assert (fixed.workers, fixed.autoscale.min_workers, fixed.autoscale.max_workers) == (3, 3, 3)
+    assert not fixed.autoscale.enabled
+    auto = _serve("--max-workers 4 --ttft-slo 1.5 --upscale-delay 5 --downscale-delay 60")
+    c = auto.autoscale
+    assert (auto.workers, c.min_workers, c.max_workers, c.ttft_slo_s) == (1, 1, 4, 1.5)
+    assert (c.upscale_delay_s, c.downscale_delay_s, c.preserve_cache) == (5.0, 60.0, True)
+    # Ray Serve's delays by default
+    d = _serve("--min-workers 2 --max-workers 3").autoscale
+    assert (d.min_workers, d.max_workers, d.upscale_delay_s, d.downscale_delay_s) == (
+        2, 3, 30.0, 600.0
+    )  # fmt: skip
+    assert not _serve("--max-workers 2 --no-cache-preserving-scale-down").autoscale.preserve_cache
+    with pytest.raises(ValueError, match="max_workers"):
+        _serve("--min-workers 3 --max-workers 2")
+    with pytest.raises(ValueError, match="flush_timeout_s"):
+        _serve("--flush-timeout -1")
