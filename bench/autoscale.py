@@ -18,8 +18,10 @@ workers with a device pool and a host tier that hold every tenant, and a Redis t
 Reported per run: TTFT p50/p99 (client side), SLO attainment (TTFT <= ``--slo-s``),
 worker-seconds (live, draining and starting worker actors, sampled every 0.25 s), the
 cluster-wide prefix hit rate (cached / prompt tokens) of the first request of each tenant
-after each scale-down (``hit_after_scale_down_first``: what a retirement costs) and of every
-request after it (``hit_after_scale_down``), and the autoscaler's decisions. Then the ratios
+after each scale-down (``hit_after_scale_down_first``: what a retirement costs), of every
+request after it (``hit_after_scale_down``), and of the first request after it of each
+tenant the retired worker served last (``hit_after_scale_down_retired_tenants_first``: its
+tenants), and the autoscaler's decisions. Then the ratios
 the issue targets: autoscale / fixed worker-seconds (<= 0.70), autoscale / fixed TTFT p99
 (<= 1.5), and autoscale / autoscale_no_preserve first-request hit rate after scale-down
 (>= 1.5).
@@ -232,15 +234,23 @@ def run_one(name: str, trace, a: argparse.Namespace, redis: Redis) -> dict:
     wall0 = time.time() - (time.monotonic() - t0)  # decisions carry wall-clock times
     after: list[dict] = []
     first: list[dict] = []
+    orphans: list[dict] = []  # first requests of the tenants the retired worker served last
     for d in downs:
-        done_at = d["at"] + (d.get("seconds") or 0.0) - wall0
+        started_at = d["at"] - wall0
+        done_at = started_at + (d.get("seconds") or 0.0)
         later = sorted((r for r in results if r["sent"] >= done_at), key=lambda r: r["sent"])
         after += later
+        last_home: dict[int, str] = {}
+        for r in sorted(results, key=lambda r: r["sent"]):
+            if r["sent"] < started_at:
+                last_home[r["tenant"]] = r["worker"].rsplit("-", 1)[0]
         seen: set[int] = set()
         for r in later:
             if r["tenant"] not in seen:
                 seen.add(r["tenant"])
                 first.append(r)
+                if last_home.get(r["tenant"]) == d["worker"]:
+                    orphans.append(r)
 
     def hit(rs: list[dict]) -> float | None:
         p = sum(r["prompt"] for r in rs)
@@ -261,6 +271,8 @@ def run_one(name: str, trace, a: argparse.Namespace, redis: Redis) -> dict:
         "hit_after_scale_down_first": hit(first),
         "hit_after_scale_down_first_by_tier": tiers,
         "hit_after_scale_down": hit(after),
+        "hit_after_scale_down_retired_tenants_first": hit(orphans),
+        "retired_tenants_after_scale_down": len(orphans),
         "requests_after_scale_down": len(after),
         "decisions": [
             {
@@ -295,13 +307,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--burst-s", type=float, default=30.0)
     p.add_argument("--tail-s", type=float, default=60.0)
     p.add_argument("--quiet-rate", type=float, default=0.15, help="requests/s")
-    p.add_argument("--burst-rate", type=float, default=1.0, help="requests/s")
+    p.add_argument("--burst-rate", type=float, default=1.5, help="requests/s")
     p.add_argument("--slo-s", type=float, default=2.0, help="TTFT SLO (also the autoscaler's)")
     p.add_argument("--upscale-delay-s", type=float, default=2.0)
     p.add_argument("--downscale-delay-s", type=float, default=5.0)
     p.add_argument("--look-back-s", type=float, default=3.0)
     p.add_argument("--waiting-high", type=float, default=1.0)
-    p.add_argument("--max-num-seqs", type=int, default=4)
+    p.add_argument("--max-num-seqs", type=int, default=2)
     p.add_argument("--kv-cache-memory", default="160MiB")
     p.add_argument("--host-cache-memory", default="160MiB")
     p.add_argument("--seed", type=int, default=0)
@@ -342,6 +354,9 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "hit_after_scale_down_preserve_over_no_preserve": ratio(
             "autoscale", "autoscale_no_preserve", "hit_after_scale_down"
+        ),
+        "hit_retired_tenants_preserve_over_no_preserve": ratio(
+            "autoscale", "autoscale_no_preserve", "hit_after_scale_down_retired_tenants_first"
         ),
     }
     out["targets"] = {
