@@ -5,7 +5,8 @@ The trace: ``--tenants`` system prompts of ``--system-tokens`` tokens; each requ
 tenant's system prompt plus ``--user-tokens`` of its own, ``--max-tokens`` greedy output
 tokens, sent open-loop at seeded Poisson arrival times: ``--quiet-s`` seconds at
 ``--quiet-rate`` requests/s, ``--burst-s`` at ``--burst-rate``, then ``--tail-s`` quiet
-again. The same requests at the same times are replayed against:
+again. ``--burst-tenants`` of the tenants first appear with the burst. The same requests
+at the same times are replayed against:
 
 - ``fixed``: ``--max-workers`` workers all along;
 - ``autoscale``: ``--min-workers`` .. ``--max-workers``, retired workers flush their cache to
@@ -103,15 +104,22 @@ def make_trace(a: argparse.Namespace) -> list[tuple[float, int, list[int]]]:
     ]
     out = []
     t = 0.0
-    phases = ((a.quiet_s, a.quiet_rate), (a.burst_s, a.burst_rate), (a.tail_s, a.quiet_rate))
+    # the burst brings new tenants (``--burst-tenants`` of them): the quiet phase sees only
+    # the others, so the workers added for the burst hold prefixes the first one never saw
+    old = max(1, a.tenants - a.burst_tenants)
+    phases = (
+        (a.quiet_s, a.quiet_rate, old),
+        (a.burst_s, a.burst_rate, a.tenants),
+        (a.tail_s, a.quiet_rate, a.tenants),
+    )
     start = 0.0
-    for length, rate in phases:
+    for length, rate, n_tenants in phases:
         t = start
         while True:
             t += rng.expovariate(rate)
             if t >= start + length:
                 break
-            tenant = rng.randrange(a.tenants)
+            tenant = rng.randrange(n_tenants)
             user = [rng.randrange(100, 40000) for _ in range(a.user_tokens)]
             out.append((t, tenant, systems[tenant] + user))
         start += length
@@ -300,14 +308,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-workers", type=int, default=1)
     p.add_argument("--max-workers", type=int, default=2)
     p.add_argument("--tenants", type=int, default=6)
+    p.add_argument("--burst-tenants", type=int, default=3, help="tenants new with the burst")
     p.add_argument("--system-tokens", type=int, default=256)
     p.add_argument("--user-tokens", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--quiet-s", type=float, default=30.0)
-    p.add_argument("--burst-s", type=float, default=30.0)
+    p.add_argument("--burst-s", type=float, default=40.0)
     p.add_argument("--tail-s", type=float, default=60.0)
     p.add_argument("--quiet-rate", type=float, default=0.15, help="requests/s")
-    p.add_argument("--burst-rate", type=float, default=1.5, help="requests/s")
+    p.add_argument("--burst-rate", type=float, default=1.0, help="requests/s")
     p.add_argument("--slo-s", type=float, default=2.0, help="TTFT SLO (also the autoscaler's)")
     p.add_argument("--upscale-delay-s", type=float, default=2.0)
     p.add_argument("--downscale-delay-s", type=float, default=5.0)
