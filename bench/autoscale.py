@@ -205,13 +205,16 @@ def run_one(name: str, trace, a: argparse.Namespace, redis: Redis) -> dict:
                     time.sleep(delay)
                 sent = time.monotonic()
                 ttft = final = None
-                for chunk in client.generate(
-                    ids, max_tokens=a.max_tokens, temperature=0, ignore_eos=True
-                ):
-                    if ttft is None and chunk.token_ids:
-                        ttft = time.monotonic() - sent
-                    if chunk.finished:
-                        final = chunk
+                try:
+                    for chunk in client.generate(
+                        ids, max_tokens=a.max_tokens, temperature=0, ignore_eos=True
+                    ):
+                        if ttft is None and chunk.token_ids:
+                            ttft = time.monotonic() - sent
+                        if chunk.finished:
+                            final = chunk
+                except Exception as e:  # counted (an SLO miss), the run goes on
+                    return {"sent": sent - t0, "tenant": tenant, "error": repr(e)[:200]}
                 return {
                     "sent": sent - t0,
                     "tenant": tenant,
@@ -237,6 +240,8 @@ def run_one(name: str, trace, a: argparse.Namespace, redis: Redis) -> dict:
     pts = [(t0, samples[0][1] if samples else a.max_workers), *samples, (end, 0)]
     for (ta, n), (tb, _) in zip(pts, pts[1:]):
         ws += n * max(0.0, tb - ta)
+    errors = [r for r in results if "error" in r]
+    results = [r for r in results if "error" not in r]
     ttfts = [r["ttft"] for r in results]
     downs = [d for d in decisions if d["action"] == "down"]
     wall0 = time.time() - (time.monotonic() - t0)  # decisions carry wall-clock times
@@ -273,7 +278,9 @@ def run_one(name: str, trace, a: argparse.Namespace, redis: Redis) -> dict:
         "startup_s": round(startup_s, 1),
         "ttft_p50_s": round(_pct(ttfts, 0.5), 3),
         "ttft_p99_s": round(_pct(ttfts, 0.99), 3),
-        "slo_attainment": round(sum(t <= a.slo_s for t in ttfts) / len(ttfts), 4),
+        "slo_attainment": round(sum(t <= a.slo_s for t in ttfts) / (len(ttfts) + len(errors)), 4),
+        "errors": len(errors),
+        "first_error": errors[0]["error"] if errors else None,
         "worker_seconds": round(ws, 1),
         "hit_rate": hit(results),
         "hit_after_scale_down_first": hit(first),
