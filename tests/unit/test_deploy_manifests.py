@@ -301,7 +301,11 @@ def test_kvmesh_command_line_parses_and_ports_match(rendered, overlay, tmp_path)
         assert int(worker["resources"]["requests"]["nvidia.com/gpu"]) == 1
     assert cfg.worker_cpus <= float(limits["cpu"]), "a worker actor fits in one pod's CPUs"
     assert 1 <= group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
-    assert cfg.workers <= group["maxReplicas"], "more workers than the autoscaler may add"
+    # kvmesh's autoscaler (docs/autoscaling.md) asks Ray for a node per worker it adds: its
+    # bounds are the worker group's, so every worker it wants has a pod to land on
+    assert cfg.autoscale is not None, "the head runs kvmesh's autoscaler (--min/--max-workers)"
+    assert cfg.autoscale.min_workers == group["minReplicas"]
+    assert cfg.autoscale.max_workers == group["maxReplicas"]
     # the engine's memory fits the pod (host tier + engine; device pool too on CPU)
     mem = parse_size(limits["memory"].replace("Gi", "GiB").replace("Mi", "MiB"))
     host = parse_size(cfg.engine_args["host_cache_memory"] or 0)
