@@ -102,6 +102,7 @@ def test_mla_matches_transformers_chunked_batched(ckpt, backend):
         eng = llm.engine
         assert eng.layout.attention == "mla" and eng.backend.name == "mla"
         assert eng.backend.kernel == ("torch" if backend == "torch" else "auto")
+        assert eng.model.cpu_kernels is None  # MLA models never call the C kernels
         prompts = _prompts(1, (5, 17, 33, 70))
         outs = llm.generate(prompts, GREEDY)
         for ids, out in zip(prompts, outs):
@@ -211,6 +212,11 @@ def test_moe_layers_fail_naming_what_is_unsupported(tmp_path):
                 topk_group=1, num_experts_per_tok=2, moe_intermediate_size=16)  # fmt: skip
     with pytest.raises(ValueError, match=r"mixture-of-experts layers \[1, 2\]"):
         LLM(str(tmp_path), dtype="float32", num_pages=8)
+
+
+def test_misspelt_attention_backend_is_refused_for_mla(ckpt):
+    with pytest.raises(ValueError, match="unknown attention backend 'tritn'"):
+        LLM(str(ckpt[1]), dtype="float32", num_pages=8, attention_backend="tritn")
 
 
 def test_loader_is_strict_about_mla_weights(tmp_path):

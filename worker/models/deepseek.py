@@ -174,7 +174,7 @@ class DeepseekForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.cpu_kernels = None  # unused: the engine may set it for Llama-family models
+        self.cpu_kernels = None  # unused: the engine loads the C kernels for Llama models only
 
     def forward(
         self,
