@@ -170,7 +170,9 @@ class LLMEngine:
         if cfg.is_mla:  # latent pages: the MLA backend (Triton decode on CUDA)
             from kvmesh.worker.attention.mla import MLABackend
 
-            self.backend = MLABackend("torch" if backend_name == "torch" else "auto")
+            kernel = "torch" if backend_name == "torch" else "auto"
+            bs = self.cache_config.block_size
+            self.backend = MLABackend(kernel, block_size=bs, device=self.device)
         else:
             self.backend = get_backend(backend_name, sliding_window=cfg.sliding_window)
         if backend_name == "cpu" and not self.layout.quantized and not cfg.is_mla:
