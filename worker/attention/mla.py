@@ -24,7 +24,12 @@ from kvmesh.kernels.mla_attention import (
     mla_prefill_torch,
     write_latent,
 )
-from kvmesh.worker.attention.base import AttentionBackend, AttentionMetadata, LayerCache
+from kvmesh.worker.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    LayerCache,
+    causal_prefill_mask,
+)
 
 
 class MLABackend(AttentionBackend):
@@ -74,9 +79,7 @@ class MLABackend(AttentionBackend):
         for span in meta.prefills:
             mask = None
             if span.context_len != span.q_len:  # cached keys first: causal by position
-                kpos = torch.arange(span.context_len, device=dev)
-                qpos = torch.arange(span.context_len - span.q_len, span.context_len, device=dev)
-                mask = kpos[None, :] <= qpos[:, None]  # (q_len, ctx)
+                mask = causal_prefill_mask(span, dev)  # (q_len, ctx)
             self._prefill.append((span, mask))
 
     def forward(self, q, k, v, cache: LayerCache, scale):
