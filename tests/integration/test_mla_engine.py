@@ -290,6 +290,8 @@ def test_latent_pages_travel_over_the_peer_data_plane(ckpt):
         want = hf_greedy(hf, prompt, 6)
         greedy = dict(temperature=0.0, max_tokens=6, ignore_eos=True)
         with Client(a.address) as ca, Client(b.address) as cb:
+            info = ca.model_info()  # the page layout's geometry: one latent row per token
+            assert (info.num_kv_heads, info.head_dim) == (1, 32 + 8), name
             assert ca.generate_text(prompt, **greedy).token_ids == want
             before = b.engine.engine.runner.tokens_computed
             on_b = cb.generate_text(prompt, **greedy)
