@@ -121,7 +121,7 @@ def _mla_decode_kernel(
     o_ptr, s_ob, s_oh,  # (B, H, RANK) out
     qk_scale, H,
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-    BS: tl.constexpr, BLOCK_H: tl.constexpr,
+    BS: tl.constexpr, BLOCK_H: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     # one program: one sequence and BLOCK_H of its heads; every latent tile is read once
     # for all of them (they share the one key/value row, as in multi-query attention)
@@ -135,7 +135,8 @@ def _mla_decode_kernel(
     q_row = q_ptr + b * s_qb + h[:, None].to(tl.int64) * s_qh
     q_c = tl.load(q_row + r[None, :], mask=hmask[:, None] & rmask[None, :], other=0.0)
     q_p = tl.load(q_row + RANK + p[None, :], mask=hmask[:, None] & pmask[None, :], other=0.0)
-    # the dots run in q's dtype (tensor cores for fp16/bf16) and accumulate in fp32
+    # the dots run in q's dtype (tensor cores for fp16/bf16) and accumulate in fp32; fp32
+    # inputs ask for "ieee" precision (tl.dot's default for fp32 is TF32 on GPUs)
     ctx = tl.load(ctx_ptr + b).to(tl.int32)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -146,7 +147,9 @@ def _mla_decode_kernel(
         row = kv_ptr + page * s_kp + n[:, None].to(tl.int64) * s_kt  # (BS, 1)
         c = tl.load(row + r[None, :], mask=rmask[None, :], other=0.0).to(q_c.dtype)  # (BS, R)
         kp = tl.load(row + RANK + p[None, :], mask=pmask[None, :], other=0.0).to(q_c.dtype)
-        s = tl.dot(q_c, tl.trans(c)) + tl.dot(q_p, tl.trans(kp))  # (BLOCK_H, BS)
+        s = tl.dot(q_c, tl.trans(c), input_precision=DOT_PRECISION) + tl.dot(
+            q_p, tl.trans(kp), input_precision=DOT_PRECISION
+        )  # (BLOCK_H, BS)
         s = s * qk_scale  # log2 domain
         valid = (j * BS + n) < ctx
         s = tl.where(valid[None, :], s, float("-inf"))
@@ -154,11 +157,19 @@ def _mla_decode_kernel(
         alpha = tl.exp2(m_i - m_new)
         pr = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(pr, 1)
-        acc = acc * alpha[:, None] + tl.dot(pr.to(c.dtype), c)
+        acc = acc * alpha[:, None] + tl.dot(pr.to(c.dtype), c, input_precision=DOT_PRECISION)
         m_i = m_new
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_row = o_ptr + b * s_ob + h[:, None].to(tl.int64) * s_oh
     tl.store(o_row + r[None, :], o.to(o_ptr.dtype.element_ty), mask=hmask[:, None] & rmask[None, :])
+
+
+def check_triton_block_size(block_size: int) -> None:
+    """The Triton decode's tile is one page: ``block_size`` must be a power of two >= 16."""
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(
+            f"the Triton MLA decode needs a power-of-two block_size >= 16, got {block_size}"
+        )
 
 
 def mla_decode_triton(
@@ -176,8 +187,7 @@ def mla_decode_triton(
         q = q.contiguous()
     B, H, D = q.shape
     bs = latent_cache.shape[1]
-    if bs < 16 or bs & (bs - 1):
-        raise ValueError(f"the Triton MLA decode needs a power-of-two block_size >= 16, got {bs}")
+    check_triton_block_size(bs)
     out = torch.empty((B, H, kv_rank), dtype=q.dtype, device=q.device)
     if B == 0:
         return out
@@ -194,6 +204,7 @@ def mla_decode_triton(
         BLOCK_R=max(16, triton.next_power_of_2(kv_rank)),
         BLOCK_P=max(16, triton.next_power_of_2(D - kv_rank)),
         BS=bs, BLOCK_H=block_h,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
     )  # fmt: skip
     return out
 

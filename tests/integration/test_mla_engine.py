@@ -102,6 +102,7 @@ def test_mla_matches_transformers_chunked_batched(ckpt, backend):
         eng = llm.engine
         assert eng.layout.attention == "mla" and eng.backend.name == "mla"
         assert eng.backend.kernel == ("torch" if backend == "torch" else "auto")
+        assert eng.model.cpu_kernels is None  # MLA models never call the C kernels
         prompts = _prompts(1, (5, 17, 33, 70))
         outs = llm.generate(prompts, GREEDY)
         for ids, out in zip(prompts, outs):
@@ -213,6 +214,11 @@ def test_moe_layers_fail_naming_what_is_unsupported(tmp_path):
         LLM(str(tmp_path), dtype="float32", num_pages=8)
 
 
+def test_misspelt_attention_backend_is_refused_for_mla(ckpt):
+    with pytest.raises(ValueError, match="unknown attention backend 'tritn'"):
+        LLM(str(ckpt[1]), dtype="float32", num_pages=8, attention_backend="tritn")
+
+
 def test_loader_is_strict_about_mla_weights(tmp_path):
     from safetensors.torch import load_file, save_file
 
@@ -284,6 +290,8 @@ def test_latent_pages_travel_over_the_peer_data_plane(ckpt):
         want = hf_greedy(hf, prompt, 6)
         greedy = dict(temperature=0.0, max_tokens=6, ignore_eos=True)
         with Client(a.address) as ca, Client(b.address) as cb:
+            info = ca.model_info()  # the page layout's geometry: one latent row per token
+            assert (info.num_kv_heads, info.head_dim) == (1, 32 + 8), name
             assert ca.generate_text(prompt, **greedy).token_ids == want
             before = b.engine.engine.runner.tokens_computed
             on_b = cb.generate_text(prompt, **greedy)

@@ -149,3 +149,21 @@ def test_cpu_kernel_twin(dtype):
     tol = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
     assert got.shape == want.shape == (len(lens), H, rank)
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_triton_block_size_is_checked_when_the_backend_is_built():
+    """A page size the Triton decode cannot tile fails at construction, naming it."""
+    from kvmesh.kernels.mla_attention import check_triton_block_size
+    from kvmesh.worker.attention.mla import MLABackend
+
+    for bs in (16, 32, 128):
+        check_triton_block_size(bs)
+    for bs in (8, 24, 0):
+        with pytest.raises(ValueError, match=f"power-of-two block_size >= 16, got {bs}"):
+            check_triton_block_size(bs)
+    with pytest.raises(ValueError, match="got 24"):
+        MLABackend("triton", block_size=24)
+    with pytest.raises(ValueError, match="got 8"):
+        MLABackend("auto", block_size=8, device="cuda:0")  # no GPU needed to refuse
+    MLABackend("auto", block_size=8, device="cpu")  # the torch twin takes any page size
+    MLABackend("torch", block_size=8, device="cuda")

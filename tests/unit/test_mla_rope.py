@@ -67,3 +67,30 @@ def test_rope_and_softmax_scale_equal_transformers(params):
 def test_unsupported_rope_scaling_is_named():
     with pytest.raises(ValueError, match="unsupported rope scaling 'llama3' for deepseek_v3"):
         ModelConfig.from_hf_dict({**BASE, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+
+
+@pytest.mark.parametrize("key", ["rope_scaling", "rope_parameters"])
+def test_raw_yarn_without_original_length_equals_transformers(key):
+    # a config.json as written, not transformers' to_dict(): no
+    # original_max_position_embeddings, which transformers takes as max_position_embeddings
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
+
+    raw = {**BASE, key: {"type": "yarn", "factor": 4.0, "mscale_all_dim": 0.8}}
+    cfg = ModelConfig.from_hf_dict(raw)
+    assert cfg.rope_scaling["original_max_position_embeddings"] == 4096
+    hf_cfg = transformers.DeepseekV3Config(**raw)
+    want_inv, want_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_cfg, "cpu")
+    inv, factor = mla_rope(cfg)
+    torch.testing.assert_close(inv, want_inv.float(), rtol=1e-6, atol=0)
+    assert factor == pytest.approx(want_factor, rel=1e-12)
+    want_scale = yarn_apply_mscale(hf_cfg.rope_parameters, (8 + 16) ** -0.5)
+    assert mla_softmax_scale(cfg) == pytest.approx(want_scale, rel=1e-12)
+
+
+@pytest.mark.parametrize("factor", [{}, {"factor": None}])
+def test_yarn_without_factor_is_refused_at_parse(factor):
+    rope = {"rope_type": "yarn", "original_max_position_embeddings": 64, **factor}
+    with pytest.raises(ValueError, match="rope_scaling.factor is required for yarn"):
+        ModelConfig.from_hf_dict({**BASE, "rope_scaling": rope})

@@ -16,6 +16,7 @@ import torch
 from kvmesh.kernels.mla_attention import (
     absorb_output,
     absorb_query,
+    check_triton_block_size,
     mla_decode,
     mla_decode_cpu,
     mla_decode_torch,
@@ -23,7 +24,12 @@ from kvmesh.kernels.mla_attention import (
     mla_prefill_torch,
     write_latent,
 )
-from kvmesh.worker.attention.base import AttentionBackend, AttentionMetadata, LayerCache
+from kvmesh.worker.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    LayerCache,
+    causal_prefill_mask,
+)
 
 
 class MLABackend(AttentionBackend):
@@ -31,16 +37,27 @@ class MLABackend(AttentionBackend):
     ``kernel="auto"`` (the engine's choice) picks Triton for CUDA tensors and the torch twin
     elsewhere; ``"cpu"`` kvmesh's C decode kernel for CPU tensors where it builds (slower than
     the torch twin for MLA's shapes: docs/models.md); ``"torch"`` forces the reference,
-    ``"triton"`` the Triton kernel (on CPU only under ``TRITON_INTERPRET=1``: the tests)."""
+    ``"triton"`` the Triton kernel (on CPU only under ``TRITON_INTERPRET=1``: the tests).
+    Given ``block_size`` and ``device``, a page size the Triton decode cannot tile is refused
+    here, not at the first decode: always for ``"triton"``, on CUDA for ``"auto"``/``"cpu"``."""
 
     name = "mla"
 
-    def __init__(self, kernel: str = "auto"):
+    def __init__(
+        self,
+        kernel: str = "auto",
+        *,
+        block_size: int | None = None,
+        device: torch.device | str | None = None,
+    ):
         kernels = {"auto": mla_decode, "torch": mla_decode_torch, "triton": mla_decode_triton}
         if kernel not in (*kernels, "cpu"):
             raise ValueError(
                 f"MLA decode kernel must be one of {sorted((*kernels, 'cpu'))}, got {kernel!r}"
             )
+        on_cuda = device is not None and torch.device(device).type == "cuda"
+        if block_size is not None and (kernel == "triton" or (kernel != "torch" and on_cuda)):
+            check_triton_block_size(block_size)
         self.kernel = kernel
         self._decode = kernels.get(kernel, mla_decode)
         if kernel == "cpu":  # the C decode kernel where it builds, else the torch twin
@@ -62,9 +79,7 @@ class MLABackend(AttentionBackend):
         for span in meta.prefills:
             mask = None
             if span.context_len != span.q_len:  # cached keys first: causal by position
-                kpos = torch.arange(span.context_len, device=dev)
-                qpos = torch.arange(span.context_len - span.q_len, span.context_len, device=dev)
-                mask = kpos[None, :] <= qpos[:, None]  # (q_len, ctx)
+                mask = causal_prefill_mask(span, dev)  # (q_len, ctx)
             self._prefill.append((span, mask))
 
     def forward(self, q, k, v, cache: LayerCache, scale):

@@ -25,7 +25,12 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh.kernels.quant import hadamard_transform, value_rotation_block
-from kvmesh.worker.attention.base import AttentionBackend, AttentionMetadata, LayerCache
+from kvmesh.worker.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    LayerCache,
+    causal_prefill_mask,
+)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -67,11 +72,7 @@ class TorchAttentionBackend(AttentionBackend):
             fresh = span.context_len == span.q_len and not quantized
             mask = None
             if not fresh or self.sliding_window is not None:
-                kpos = torch.arange(span.context_len, device=dev)
-                qpos = torch.arange(span.context_len - span.q_len, span.context_len, device=dev)
-                mask = kpos[None, :] <= qpos[:, None]  # (q_len, ctx)
-                if self.sliding_window is not None:
-                    mask &= kpos[None, :] > qpos[:, None] - self.sliding_window
+                mask = causal_prefill_mask(span, dev, self.sliding_window)  # (q_len, ctx)
             self._prefill.append((span, fresh, mask))
         if quantized:
             self._prepare_quantized(meta)

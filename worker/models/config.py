@@ -88,11 +88,12 @@ class ModelConfig:
 
     def _check_mla(self) -> None:
         dims = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        if self.q_lora_rank is not None:
+            dims += ("q_lora_rank",)
         for name in dims:
-            if getattr(self, name) < 1:
-                raise ValueError(
-                    f"{self.architecture}: {name} must be >= 1, got {getattr(self, name)}"
-                )
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{self.architecture}: {name} must be an integer >= 1, got {v!r}")
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
         if self.head_dim != self.qk_nope_head_dim + self.qk_rope_head_dim:
@@ -102,6 +103,13 @@ class ModelConfig:
             raise ValueError(
                 f"unsupported rope scaling {rt!r} for {self.architecture}; supported: default, yarn"
             )
+        if rt == "yarn":  # normalised once here; models.deepseek reads these keys as they are
+            rs = dict(self.rope_scaling)
+            if rs.get("factor") is None:
+                raise ValueError("rope_scaling.factor is required for yarn")
+            # as transformers: without it, the pretrained length is max_position_embeddings
+            rs.setdefault("original_max_position_embeddings", self.max_position_embeddings)
+            object.__setattr__(self, "rope_scaling", rs)
         if self.sliding_window is not None:
             raise ValueError(f"{self.architecture} has no sliding window")
 
@@ -122,17 +130,11 @@ class ModelConfig:
         if arch in MLA_ARCHITECTURES:
             return cls._from_deepseek_dict(arch, cfg)
         heads = cfg["num_attention_heads"]
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
-        if "type" in rope and "rope_type" not in rope:
-            rope["rope_type"] = rope.pop("type")
-        if rope.get("rope_type", "default") == "default":
-            rope = {}
+        rope, theta = _hf_rope(cfg)
         sliding = cfg.get("sliding_window")
         if arch == "qwen2" and not cfg.get("use_sliding_window", False):
             sliding = None
-        eos = cfg.get("eos_token_id")
-        eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        eos = _hf_eos(cfg)
         bias = bool(cfg.get("attention_bias", False))
         return cls(
             architecture=arch,
@@ -161,8 +163,9 @@ class ModelConfig:
         layers = cfg["num_hidden_layers"]
         experts = cfg.get("n_routed_experts") or 0
         dense = cfg.get("first_k_dense_replace") or 0
-        freq = cfg.get("moe_layer_freq", 1) or 1
-        moe_layers = [i for i in range(layers) if experts and i >= dense and i % freq == 0]
+        # as transformers' DeepseekV2/V3 models: every layer from first_k_dense_replace on is
+        # a mixture of experts; moe_layer_freq is not read (nor is it by transformers)
+        moe_layers = [i for i in range(layers) if experts and i >= dense]
         if moe_layers:
             raise ValueError(
                 f"{arch}: mixture-of-experts layers {moe_layers[:8]} (n_routed_experts="
@@ -170,16 +173,10 @@ class ModelConfig:
                 f"DeepSeek models with dense MLP layers only (first_k_dense_replace >= "
                 f"num_hidden_layers={layers}, or n_routed_experts null)"
             )
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
-        if "type" in rope and "rope_type" not in rope:
-            rope["rope_type"] = rope.pop("type")
-        if rope.get("rope_type", "default") == "default":
-            rope = {}
+        rope, theta = _hf_rope(cfg)
         heads = cfg["num_attention_heads"]
         nope, rot = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"]
-        eos = cfg.get("eos_token_id")
-        eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        eos = _hf_eos(cfg)
         bias = bool(cfg.get("attention_bias", False))
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{arch}: hidden_act {cfg.get('hidden_act')!r}; kvmesh runs silu")
@@ -220,3 +217,21 @@ class ModelConfig:
             return cls.from_hf_dict(cfg)
         except KeyError as e:
             raise ValueError(f"model config {path} lacks required field {e}") from e
+
+
+def _hf_rope(cfg: dict[str, Any]) -> tuple[dict[str, Any], float]:
+    """A config.json's rope scaling (``rope_parameters`` or ``rope_scaling``, ``type`` read as
+    ``rope_type``; empty for the default rope) and rope theta."""
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
+    if "type" in rope and "rope_type" not in rope:
+        rope["rope_type"] = rope.pop("type")
+    if rope.get("rope_type", "default") == "default":
+        rope = {}
+    return rope, float(theta)
+
+
+def _hf_eos(cfg: dict[str, Any]) -> tuple[int, ...]:
+    """A config.json's eos_token_id (one id, a list, or none) as a tuple."""
+    eos = cfg.get("eos_token_id")
+    return tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())

@@ -38,8 +38,8 @@ def mla_rope(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     rs = cfg.rope_scaling or {}
     if rs.get("rope_type", "default") != "yarn":
         return 1.0 / pos_freqs, 1.0
-    orig = rs["original_max_position_embeddings"]
-    factor = rs.get("factor") or cfg.max_position_embeddings / orig
+    # ModelConfig normalised these: factor present, original length defaulted
+    orig, factor = rs["original_max_position_embeddings"], rs["factor"]
     mscale, mscale_all = rs.get("mscale"), rs.get("mscale_all_dim")
     attn = rs.get("attention_factor")
     if attn is None:
@@ -68,7 +68,7 @@ def mla_softmax_scale(cfg: ModelConfig) -> float:
     """(nope + rope)^-0.5, times YaRN's mscale(factor, mscale_all_dim)^2 when set."""
     scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
     rs = cfg.rope_scaling or {}
-    if rs.get("rope_type", "default") != "default" and rs.get("mscale_all_dim"):
+    if rs.get("rope_type", "default") == "yarn" and rs.get("mscale_all_dim"):
         m = _yarn_mscale(rs["factor"], rs["mscale_all_dim"])
         scale *= m * m
     return scale
@@ -174,7 +174,7 @@ class DeepseekForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.cpu_kernels = None  # unused: the engine may set it for Llama-family models
+        self.cpu_kernels = None  # unused: the engine loads the C kernels for Llama models only
 
     def forward(
         self,
