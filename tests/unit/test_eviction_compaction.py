@@ -80,3 +80,33 @@ def test_compaction_moves_the_kept_slots_in_every_format(fmt):
         torch.testing.assert_close(v1[:BS], rv[0], rtol=0, atol=1e-6)
         assert torch.equal(k1[BS:], kk[BS:]) and torch.equal(v1[BS:], vv[BS:])
     assert torch.equal(mem.buffer[table], source)  # the old pages: not one byte written
+
+
+def test_compacted_pages_are_never_cached_under_the_requests_hashes():
+    from kvmesh.kvstore.events import EventLog
+    from kvmesh.worker.kv_cache import KVCacheManager
+    from kvmesh.worker.request import Request
+    from kvmesh.worker.sampling_params import SamplingParams
+
+    kv = KVCacheManager(32, BS, EventLog("e"), enable_prefix_caching=True)
+    req = Request("r", list(range(20)), SamplingParams(), BS, "fp")
+    assert kv.allocate_slots(req, 20) is not None
+    req.num_computed_tokens = 20
+    old = kv.page_ids(req)
+    assert len(kv.cached_hashes()) == 5  # 20 tokens: 5 full pages, hashed
+    new = kv.take_private_pages(2)
+    kv.replace_pages(req, new)
+    req.num_evicted = 14  # 6 slots kept
+    assert kv.page_ids(req) == [p.page_id for p in new]
+    # the old pages keep their hashes (their bytes are intact) but the request holds none
+    assert all(kv.pool.pages[i].ref_cnt == 0 for i in old)
+    assert kv.reset_prefix_cache() == 5 and not kv.cached_hashes()
+    # the request grows to 4 full pages of its compacted cache: none may be hashed
+    for _ in range(12):
+        assert kv.allocate_slots(req, 1) is not None
+        req.append_token(7)
+        req.num_computed_tokens += 1
+    assert req.cache_len == 18 and len(kv.page_ids(req)) == 5  # ceil(18 / BS)
+    assert kv.allocate_slots(req, 20) is not None
+    assert not kv.cached_hashes()
+    assert all(kv.pool.pages[i].page_hash is None for i in kv.page_ids(req))
