@@ -40,3 +40,19 @@ def test_grpc_sampling_params_carry_it_and_unset_is_the_default():
 def test_the_client_sdk_sends_it():
     req = build_request("hello", max_tokens=4, kv_budget=256, kv_policy="snapkv")
     assert (req.sampling.kv_budget, req.sampling.kv_policy) == (256, "snapkv")
+
+
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [(dict(kv_budget=3), "kv_budget must be"), (dict(kv_budget=64, kv_policy="lru"), "kv_policy")],
+)
+def test_a_bad_engine_default_fails_before_loading(kwargs, needle, monkeypatch):
+    import kvmesh.worker.engine as engine_mod
+    from kvmesh.worker import LLMEngine
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(engine_mod, "load_config", no_load)
+    with pytest.raises(ValueError, match=needle):
+        LLMEngine("smollm2-135m-instruct", **kwargs)
