@@ -193,10 +193,10 @@ def bench_throughput(args, ids: list[int]) -> dict:
 
 
 def bench_weights_cost(llm: LLM, ids: list[int], args) -> dict:
-    prompts = [ids[i * 50 : i * 50 + 256] for i in range(8)]
+    prompts = [ids[i * 50 : i * 50 + 256] for i in range(args.wc_prompts)]
     out = {}
     for label, kw in (("none", {}), ("h2o_weights", {"kv_budget": 10**6, "kv_policy": "h2o"})):
-        params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, **kw)
+        params = SamplingParams(temperature=0, max_tokens=args.wc_new, ignore_eos=True, **kw)
         llm.generate(prompts[:1], SamplingParams(max_tokens=2))  # warm
         t0 = time.monotonic()
         outs = llm.generate(prompts, params)
@@ -204,7 +204,12 @@ def bench_weights_cost(llm: LLM, ids: list[int], args) -> dict:
         out[label] = round(sum(len(o.token_ids) for o in outs) / dt, 2)
         log(f"weights_cost {label}: {out[label]} tok/s")
     out["ratio"] = round(out["h2o_weights"] / out["none"], 3)
-    return {"output_tokens_per_s": out, "prompts": 8, "prompt_tokens": 256, "new": 64}
+    return {
+        "output_tokens_per_s": out,
+        "prompts": args.wc_prompts,
+        "prompt_tokens": 256,
+        "new": args.wc_new,
+    }
 
 
 def main() -> None:
@@ -222,6 +227,8 @@ def main() -> None:
     ap.add_argument("--tput-new", type=int, default=64)
     ap.add_argument("--pool", default="1GiB")
     ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--wc-prompts", type=int, default=8)
+    ap.add_argument("--wc-new", type=int, default=64)
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     t0 = time.monotonic()
