@@ -26,15 +26,15 @@ def llm_int4():
 
 def test_int4_budgets(llm_int4, shakespeare):
     llm = llm_int4
-    (ids,) = text_prompts(llm.tokenizer, shakespeare, [90])
+    (ids,) = text_prompts(llm.tokenizer, shakespeare, [72])
     greedy = dict(temperature=0, ignore_eos=True)
-    base = llm.generate([ids], SamplingParams(max_tokens=24, **greedy))[0]
-    same = llm.generate([ids], SamplingParams(max_tokens=8, kv_budget=90, **greedy))[0]
+    base = llm.generate([ids], SamplingParams(max_tokens=8, **greedy))[0]
+    same = llm.generate([ids], SamplingParams(max_tokens=8, kv_budget=72, **greedy))[0]
     assert same.token_ids == base.token_ids[:8]
     eng = llm.engine
     for policy in ("snapkv", "h2o", "streaming"):
         req = eng.make_request(
-            ids, SamplingParams(max_tokens=24, kv_budget=40, kv_policy=policy, **greedy)
+            ids, SamplingParams(max_tokens=20, kv_budget=40, kv_policy=policy, **greedy)
         )
         eng.add(req)
         held = []
@@ -44,7 +44,7 @@ def test_int4_budgets(llm_int4, shakespeare):
                 out = o
             if req.num_computed_tokens >= req.num_prompt_tokens and not req.status.finished:
                 held.append(len(eng.kv.page_ids(req)))
-        assert req.num_evicted >= 50 and max(held) <= math.ceil(40 / BS) + 1
-        assert len(out.token_ids) == 24 and out.finish_reason == "length"
+        assert req.num_evicted >= 32 + 16 and max(held) <= math.ceil(40 / BS) + 1
+        assert len(out.token_ids) == 20 and out.finish_reason == "length"
         # the first token comes from the full prompt; the next few mostly still agree
         assert out.token_ids[0] == base.token_ids[0], policy
