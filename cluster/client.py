@@ -55,6 +55,8 @@ SAMPLING_FIELDS = (
     "min_tokens",
     "include_stop_str_in_output",
     "cache_salt",
+    "kv_budget",
+    "kv_policy",
 )
 
 

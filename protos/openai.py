@@ -146,6 +146,9 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
+    # KV eviction (docs/eviction.md); the engine validates both and names a bad one
+    kv_budget: int | None = Field(None, ge=1, le=2**31 - 1)
+    kv_policy: str | None = Field(None, max_length=32)
     repetition_penalty: float | None = None
     best_of: int | None = None
 

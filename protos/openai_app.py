@@ -389,6 +389,10 @@ class _Api:
                 raise APIError(400, "cache_salt is not supported yet", param="cache_salt")
             sp.cache_salt = body.cache_salt
         sp.min_tokens = body.min_tokens
+        if body.kv_budget is not None:
+            sp.kv_budget = body.kv_budget
+        if body.kv_policy is not None:
+            sp.kv_policy = body.kv_policy
         return sp
 
     # ------------------------------------------------------------ the endpoints

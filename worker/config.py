@@ -97,3 +97,17 @@ class SchedulerConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+
+
+@dataclass(frozen=True)
+class EvictionConfig:
+    """The engine's default KV budget and policy for requests that set none
+    (docs/eviction.md). ``kv_budget=None``: no eviction unless a request asks."""
+
+    kv_budget: int | None = None
+    kv_policy: str = "snapkv"
+
+    def __post_init__(self):
+        from kvmesh.worker.sampling_params import validate_kv_budget
+
+        validate_kv_budget(self.kv_budget, self.kv_policy)

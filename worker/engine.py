@@ -25,7 +25,14 @@ from kvmesh.kvstore.store import TieredStore
 from kvmesh.kvstore.tier import Tier
 from kvmesh.worker import envs
 from kvmesh.worker.attention import check_backend_name, default_backend_name, get_backend
-from kvmesh.worker.config import CacheConfig, SchedulerConfig, parse_size, resolve_dtype
+from kvmesh.worker.config import (
+    CacheConfig,
+    EvictionConfig,
+    SchedulerConfig,
+    parse_size,
+    resolve_dtype,
+)
+from kvmesh.worker.eviction.manager import EvictionManager
 from kvmesh.worker.kv_cache import KVCacheManager
 from kvmesh.worker.kv_connector import KVConnector, make_store
 from kvmesh.worker.kv_memory import KVMemory
@@ -105,6 +112,8 @@ class LLMEngine:
         enable_metrics: bool = True,
         peer_identity: ClusterIdentity | None = None,
         peer_tls: TLSConfig | None = None,
+        kv_budget: int | None = None,
+        kv_policy: str = "snapkv",
     ):
         if envs.num_threads():
             torch.set_num_threads(envs.num_threads())
@@ -120,6 +129,7 @@ class LLMEngine:
             enable_prefix_caching=enable_prefix_caching,
             num_pages=num_pages,
         )
+        self.eviction_config = EvictionConfig(kv_budget, kv_policy)
         host_bytes = parse_size(host_cache_memory) if host_cache_memory is not None else None
         t0 = time.monotonic()
         self.model_config = cfg = load_config(self.src)
@@ -183,9 +193,18 @@ class LLMEngine:
             from kvmesh.worker import cpu_kernels
 
             self.model.cpu_kernels = cpu_kernels.load()
+        # per-request KV budgets (worker/eviction): the runner's backend also shows the
+        # requests that ask their attention weights
+        self.eviction = EvictionManager(self.memory.layer_caches, self.kv, cfg.num_kv_heads)
         self.runner = ModelRunner(
-            self.model, self.memory.layer_caches, self.kv, self.backend, self.device, n_slots
+            self.model,
+            self.memory.layer_caches,
+            self.kv,
+            self.eviction.wrap(self.backend),
+            self.device,
+            n_slots,
         )
+        self.runner.eviction = self.eviction
         self.output_processor = OutputProcessor(
             self.eos_token_ids, self.max_model_len, self.connector.tier_names()
         )
@@ -333,6 +352,13 @@ class LLMEngine:
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"stop_token_ids must be in [0, {vocab}); got {bad[:5]}")
+        ev = self.eviction_config
+        kv_budget = params.kv_budget if params.kv_budget is not None else ev.kv_budget
+        if params.kv_policy is not None and kv_budget is None:
+            raise ValueError(
+                f"kv_policy={params.kv_policy!r} needs a kv_budget: set one (this engine has "
+                f"no default budget)"
+            )
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         req = Request(
             request_id=rid,
@@ -341,6 +367,8 @@ class LLMEngine:
             block_size=self.cache_config.block_size,
             model_fp=self.model_fp,
             prompt=prompt if isinstance(prompt, str) else None,
+            kv_budget=kv_budget,
+            kv_policy=(params.kv_policy or ev.kv_policy) if kv_budget is not None else None,
         )
         if peers:
             if self.peer_identity is None:
@@ -407,6 +435,7 @@ class LLMEngine:
         to_sample, logits = self.runner.execute(sched.scheduled)
         for req, n in sched.scheduled:
             req.num_computed_tokens += n
+        self.eviction.after_step(sched.scheduled)  # compacts caches past their budget
         if to_sample:
             self._mask_early_stops(logits, to_sample)
         tokens, logprobs, errors = sample(logits, to_sample) if to_sample else ([], [], [])

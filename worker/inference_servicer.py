@@ -41,6 +41,8 @@ def sampling_from_proto(sp: ipb.SamplingParams) -> SamplingParams:
             kw[name] = getattr(sp, name)
     return SamplingParams(
         cache_salt=sp.cache_salt or None,
+        kv_budget=sp.kv_budget or None,
+        kv_policy=sp.kv_policy or None,
         stop=tuple(sp.stop),
         stop_token_ids=tuple(sp.stop_token_ids),
         ignore_eos=sp.ignore_eos,

@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterable, Sequence
 from kvmesh.kvstore.events import EventLog
 from kvmesh.worker.request import Request
 
+_NEVER = 1 << 62  # a compacted request's hashed-page count: no page of it is hashed again
+
 
 class Page:
     __slots__ = ("page_id", "ref_cnt", "page_hash", "prev", "next")
@@ -217,7 +219,7 @@ class KVCacheManager:
         changes nothing) when too few pages are free."""
         computed = computed or []
         owned = self.req_pages.get(req.request_id, [])
-        total = req.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        total = req.cache_len + len(computed) * self.block_size + num_new_tokens
         needed = -(-total // self.block_size) - len(owned) - len(computed)
         reclaim = sum(1 for p in computed if p.ref_cnt == 0)  # free now, about to be owned
         if needed > self.pool.num_free - reclaim:
@@ -298,6 +300,25 @@ class KVCacheManager:
         if slot is not None:
             self._free_slots.append(slot)
         self.pool.release(reversed(pages))
+
+    # ------------------------------------------------------------ for eviction
+
+    def take_private_pages(self, n: int) -> list[Page] | None:
+        """``n`` fresh pages (one reference each, no hash) for a compacted copy of a
+        request's cache, or None when fewer are free. Changes nothing on None."""
+        if n > self.pool.num_free:
+            return None
+        return self.pool.take(n)
+
+    def replace_pages(self, req: Request, pages: list[Page]) -> None:
+        """``req``'s cache now lives in ``pages`` (from ``take_private_pages``): its old
+        pages lose its reference (shared prefix pages stay cached for others, unmodified).
+        Its pages are never hashed again: they no longer hold the tokens its page hashes
+        name, so they must never be found by a prefix lookup nor spilled under them."""
+        old = self.req_pages[req.request_id]
+        self.req_pages[req.request_id] = list(pages)
+        self._num_hashed[req.request_id] = _NEVER
+        self.pool.release(reversed(old))
 
     # ------------------------------------------------------------ for the connector
     # The KV connector (worker/kv_connector.py) promotes pages from the tiers and spills

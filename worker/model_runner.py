@@ -27,6 +27,7 @@ class ModelRunner:
         self.device = device
         self.block_size = kv.block_size
         self.tokens_computed = 0  # every token the model ran, for tests and stats
+        self.eviction = None  # worker.eviction's EvictionManager, shown each step's spans
 
     def execute(
         self, scheduled: list[tuple[Request, int]], all_logits: bool = False
@@ -45,29 +46,33 @@ class ModelRunner:
         prefills: list[PrefillSpan] = []
         logit_idx: list[int] = []
         to_sample: list[Request] = []
+        spans: list[tuple[Request, int, int]] = []
         quantized = self.num_residual_slots > 0
         plan = _QuantPlan(bs, self.num_residual_slots) if quantized else None
         for req, n in order:
-            c = req.num_computed_tokens
+            # an evicting request's cache is shorter than its sequence: tokens go to cache
+            # slots from ``cp`` on, at positions from ``c`` on (worker/eviction)
+            c, cp = req.num_computed_tokens, req.cache_len
             table = self.kv.page_ids(req)
             start = len(ids)
+            spans.append((req, start, n))
             ids += req.all_token_ids[c : c + n]
             pos += range(c, c + n)
-            slots += [table[p // bs] * bs + p % bs for p in range(c, c + n)]
+            slots += [table[p // bs] * bs + p % bs for p in range(cp, cp + n)]
             r = -1
             if plan is not None:
                 r = self.kv.residual_slot(req)
-                plan.add(table, start, num_computed=c, num_new=n, residual_slot=r)
-            tail = r if (c + n) % bs else -1  # the slot holding the partial last page
+                plan.add(table, start, num_computed=cp, num_new=n, residual_slot=r)
+            tail = r if (cp + n) % bs else -1  # the slot holding the partial last page
             if n == 1:
-                decode_tables.append(table[: (c + bs) // bs])
-                decode_lens.append(c + 1)
+                decode_tables.append(table[: (cp + bs) // bs])
+                decode_lens.append(cp + 1)
                 if plan is not None:
                     plan.decode_slots.append(tail)
             else:
-                n_pages = -(-(c + n) // bs)
+                n_pages = -(-(cp + n) // bs)
                 pages = torch.tensor(table[:n_pages], dtype=torch.int64, device=self.device)
-                prefills.append(PrefillSpan(start, n, c + n, pages, tail))
+                prefills.append(PrefillSpan(start, n, cp + n, pages, tail))
             if c + n == req.num_tokens:
                 logit_idx.append(len(ids) - 1)
                 to_sample.append(req)
@@ -85,6 +90,8 @@ class ModelRunner:
         )
         if plan is not None:
             plan.fill(meta, self.device)
+        if self.eviction is not None:
+            self.eviction.begin_step(spans, self.device)
         self.backend.prepare(meta)
         with torch.inference_mode():
             logits = self.model(

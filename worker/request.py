@@ -49,6 +49,13 @@ class Request:
     last_token_time: float | None = None  # set by the metrics (inter-token latency)
     stop_reason: int | str | None = None
     error: str | None = None  # why it finished with FINISHED_ERROR
+    # KV eviction (worker/eviction): its budget in cached tokens (None: keep everything) and
+    # policy, resolved from its params and the engine default; num_evicted tokens have left
+    # its cache, whose length is num_computed_tokens - num_evicted (positions go on from
+    # num_computed_tokens). Both reset when it is preempted.
+    kv_budget: int | None = None
+    kv_policy: str | None = None
+    num_evicted: int = 0
 
     def __post_init__(self):
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
@@ -69,6 +76,12 @@ class Request:
         self.promoted_run = -1  # pages its prefix run reached after its last promotion
         self.peer_hints: list[str] = []  # KVTransfer addresses that may hold its pages
         self.text = ""
+        self.kv_state = None  # worker.eviction's EvictionState, while it runs with a budget
+
+    @property
+    def cache_len(self) -> int:
+        """Tokens in its KV cache: its computed ones less those evicted."""
+        return self.num_computed_tokens - self.num_evicted
 
     @property
     def num_tokens(self) -> int:

@@ -19,6 +19,10 @@ MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_CACHE_SALT_CHARS = 1024
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
+# KV eviction (docs/eviction.md): the policies, and the smallest budget (sinks and windows
+# need room)
+KV_POLICIES = ("snapkv", "h2o", "streaming", "random")
+MIN_KV_BUDGET = 8
 _INT64 = (-(2**63), 2**64)  # torch.Generator.manual_seed takes [-2**63, 2**64)
 _INT32_MAX = 2**31 - 1
 
@@ -50,6 +54,11 @@ class SamplingParams:
     masked, and the logprobs of those steps are under the masked distribution); stop strings
     still end the output.
 
+    ``kv_budget`` bounds the request's KV cache to that many tokens and ``kv_policy``
+    (``snapkv``, ``h2o``, ``streaming``, or the ``random`` baseline) says which it keeps
+    (docs/eviction.md); either unset takes the engine's default (``kv_budget=None`` with
+    no engine default: no eviction). Like ``cache_salt``, it rides with these parameters.
+
     ``cache_salt`` (vLLM's name and meaning) is mixed into the hash of the prompt's first
     page, so cached pages are shared only between requests with the same salt: a tenant's
     salt keeps other tenants from learning, through cache hits, what it sent
@@ -71,6 +80,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = field(default=None, repr=False)  # a tenant secret: not in logs
+    kv_budget: int | None = None
+    kv_policy: str | None = None
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
@@ -81,6 +92,10 @@ class SamplingParams:
         object.__setattr__(self, "top_p", _finite_float("top_p", self.top_p))
         if self.cache_salt == "":
             object.__setattr__(self, "cache_salt", None)  # the wire's "unset"
+        if self.kv_policy == "":
+            object.__setattr__(self, "kv_policy", None)  # the wire's "unset"
+        if self.kv_budget == 0 and not isinstance(self.kv_budget, bool):
+            object.__setattr__(self, "kv_budget", None)  # the wire's "unset"
         self._validate()
 
     def _validate(self) -> None:
@@ -141,6 +156,7 @@ class SamplingParams:
             raise ValueError(
                 f"skip_special_tokens must be a bool, got {self.skip_special_tokens!r}"
             )
+        validate_kv_budget(self.kv_budget, self.kv_policy)
         salt = self.cache_salt
         if salt is not None:
             if not isinstance(salt, str):
@@ -154,3 +170,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
+
+
+def validate_kv_budget(budget, policy) -> None:
+    """Raise ValueError naming a bad ``kv_budget`` / ``kv_policy`` (None: unset)."""
+    if budget is not None and (not _is_int(budget) or not MIN_KV_BUDGET <= budget <= _INT32_MAX):
+        raise ValueError(
+            f"kv_budget must be an integer in [{MIN_KV_BUDGET}, {_INT32_MAX}] (tokens of KV "
+            f"cache kept), or unset; got {budget!r}"
+        )
+    if policy is not None and policy not in KV_POLICIES:
+        raise ValueError(f"kv_policy must be one of {', '.join(KV_POLICIES)}; got {policy!r}")

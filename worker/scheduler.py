@@ -59,6 +59,7 @@ class Scheduler:
         self.kv.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
+        victim.num_evicted, victim.kv_state = 0, None  # recomputed in full, evicted anew
         if self.connector is not None:
             self.connector.on_preempted(victim)
         victim.num_preemptions += 1

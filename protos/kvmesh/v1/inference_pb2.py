@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvmesh/v1/inference.proto\x12\tkvmesh.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xa2\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12 \n\x13skip_special_tokens\x18\t \x01(\x08H\x05\x88\x01\x01\x12\x10\n\x08logprobs\x18\n \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x0b \x01(\x08\x12\x12\n\ncache_salt\x18\x0c \x01(\t\x12\x14\n\x0ctop_logprobs\x18\r \x01(\x05\x12\x12\n\nmin_tokens\x18\x0e \x01(\x05\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x16\n\x14_skip_special_tokens\"\xae\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.kvmesh.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x16\n\x0epeer_addresses\x18\x05 \x03(\tB\x08\n\x06prompt\"\xd4\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12G\n\x15\x63\x61\x63hed_tokens_by_tier\x18\x04 \x03(\x0b\x32(.kvmesh.v1.Usage.CachedTokensByTierEntry\x1a\x39\n\x17\x43\x61\x63hedTokensByTierEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"\xaf\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x12\n\x08stop_str\x18\x07 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x08 \x01(\x05H\x00\x12\x1f\n\x05usage\x18\t \x01(\x0b\x32\x10.kvmesh.v1.Usage\x12\x11\n\tworker_id\x18\n \x01(\t\x12\r\n\x05\x65rror\x18\x0b \x01(\t\x12,\n\x0ctop_logprobs\x18\x0c \x03(\x0b\x32\x16.kvmesh.v1.TopLogprobsB\r\n\x0bstop_reason\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xfb\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\x16\n\x0ekv_cache_dtype\x18\x05 \x01(\t\x12\x12\n\nvocab_size\x18\x06 \x01(\x05\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x12\n\nnum_layers\x18\x08 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\t \x01(\x05\x12\x10\n\x08head_dim\x18\n \x01(\x05\x12\x15\n\reos_token_ids\x18\x0b \x03(\x05\x12\x11\n\tworker_id\x18\x0c \x01(\t\"\x10\n\x0eGetLoadRequest\"\xf5\x01\n\x04Load\x12\x1c\n\x14num_requests_running\x18\x01 \x01(\x05\x12\x1c\n\x14num_requests_waiting\x18\x02 \x01(\x05\x12\x1d\n\x15queued_prefill_tokens\x18\x03 \x01(\x03\x12\x1b\n\x13kv_cache_usage_perc\x18\x04 \x01(\x01\x12\x16\n\x0enum_free_pages\x18\x05 \x01(\x05\x12\x11\n\tnum_pages\x18\x06 \x01(\x05\x12\x1c\n\x14prefix_cache_queries\x18\x07 \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\x08 \x01(\x03\x12\x11\n\tworker_id\x18\t \x01(\t2\x8b\x02\n\tInference\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.kvmesh.v1.AbortRequest\x1a\x18.kvmesh.v1.AbortResponse\x12\x44\n\x0cGetModelInfo\x12\x1e.kvmesh.v1.GetModelInfoRequest\x1a\x14.kvmesh.v1.ModelInfo\x12\x35\n\x07GetLoad\x12\x19.kvmesh.v1.GetLoadRequest\x1a\x0f.kvmesh.v1.Loadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvmesh/v1/inference.proto\x12\tkvmesh.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xc8\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12 \n\x13skip_special_tokens\x18\t \x01(\x08H\x05\x88\x01\x01\x12\x10\n\x08logprobs\x18\n \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x0b \x01(\x08\x12\x12\n\ncache_salt\x18\x0c \x01(\t\x12\x14\n\x0ctop_logprobs\x18\r \x01(\x05\x12\x12\n\nmin_tokens\x18\x0e \x01(\x05\x12\x11\n\tkv_budget\x18\x0f \x01(\x05\x12\x11\n\tkv_policy\x18\x10 \x01(\tB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x16\n\x14_skip_special_tokens\"\xae\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.kvmesh.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x16\n\x0epeer_addresses\x18\x05 \x03(\tB\x08\n\x06prompt\"\xd4\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12G\n\x15\x63\x61\x63hed_tokens_by_tier\x18\x04 \x03(\x0b\x32(.kvmesh.v1.Usage.CachedTokensByTierEntry\x1a\x39\n\x17\x43\x61\x63hedTokensByTierEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"\xaf\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x12\n\x08stop_str\x18\x07 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x08 \x01(\x05H\x00\x12\x1f\n\x05usage\x18\t \x01(\x0b\x32\x10.kvmesh.v1.Usage\x12\x11\n\tworker_id\x18\n \x01(\t\x12\r\n\x05\x65rror\x18\x0b \x01(\t\x12,\n\x0ctop_logprobs\x18\x0c \x03(\x0b\x32\x16.kvmesh.v1.TopLogprobsB\r\n\x0bstop_reason\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xfb\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\x16\n\x0ekv_cache_dtype\x18\x05 \x01(\t\x12\x12\n\nvocab_size\x18\x06 \x01(\x05\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x12\n\nnum_layers\x18\x08 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\t \x01(\x05\x12\x10\n\x08head_dim\x18\n \x01(\x05\x12\x15\n\reos_token_ids\x18\x0b \x03(\x05\x12\x11\n\tworker_id\x18\x0c \x01(\t\"\x10\n\x0eGetLoadRequest\"\xf5\x01\n\x04Load\x12\x1c\n\x14num_requests_running\x18\x01 \x01(\x05\x12\x1c\n\x14num_requests_waiting\x18\x02 \x01(\x05\x12\x1d\n\x15queued_prefill_tokens\x18\x03 \x01(\x03\x12\x1b\n\x13kv_cache_usage_perc\x18\x04 \x01(\x01\x12\x16\n\x0enum_free_pages\x18\x05 \x01(\x05\x12\x11\n\tnum_pages\x18\x06 \x01(\x05\x12\x1c\n\x14prefix_cache_queries\x18\x07 \x01(\x03\x12\x19\n\x11prefix_cache_hits\x18\x08 \x01(\x03\x12\x11\n\tworker_id\x18\t \x01(\t2\x8b\x02\n\tInference\x12\x45\n\x08Generate\x12\x1a.kvmesh.v1.GenerateRequest\x1a\x1b.kvmesh.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.kvmesh.v1.AbortRequest\x1a\x18.kvmesh.v1.AbortResponse\x12\x44\n\x0cGetModelInfo\x12\x1e.kvmesh.v1.GetModelInfoRequest\x1a\x14.kvmesh.v1.ModelInfo\x12\x35\n\x07GetLoad\x12\x19.kvmesh.v1.GetLoadRequest\x1a\x0f.kvmesh.v1.Loadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,29 +36,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=40
   _globals['_TOKENIDS']._serialized_end=63
   _globals['_SAMPLINGPARAMS']._serialized_start=66
-  _globals['_SAMPLINGPARAMS']._serialized_end=484
-  _globals['_GENERATEREQUEST']._serialized_start=487
-  _globals['_GENERATEREQUEST']._serialized_end=661
-  _globals['_USAGE']._serialized_start=664
-  _globals['_USAGE']._serialized_end=876
-  _globals['_USAGE_CACHEDTOKENSBYTIERENTRY']._serialized_start=819
-  _globals['_USAGE_CACHEDTOKENSBYTIERENTRY']._serialized_end=876
-  _globals['_GENERATERESPONSE']._serialized_start=879
-  _globals['_GENERATERESPONSE']._serialized_end=1182
-  _globals['_TOPLOGPROBS']._serialized_start=1184
-  _globals['_TOPLOGPROBS']._serialized_end=1234
-  _globals['_ABORTREQUEST']._serialized_start=1236
-  _globals['_ABORTREQUEST']._serialized_end=1270
-  _globals['_ABORTRESPONSE']._serialized_start=1272
-  _globals['_ABORTRESPONSE']._serialized_end=1302
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1304
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1325
-  _globals['_MODELINFO']._serialized_start=1328
-  _globals['_MODELINFO']._serialized_end=1579
-  _globals['_GETLOADREQUEST']._serialized_start=1581
-  _globals['_GETLOADREQUEST']._serialized_end=1597
-  _globals['_LOAD']._serialized_start=1600
-  _globals['_LOAD']._serialized_end=1845
-  _globals['_INFERENCE']._serialized_start=1848
-  _globals['_INFERENCE']._serialized_end=2115
+  _globals['_SAMPLINGPARAMS']._serialized_end=522
+  _globals['_GENERATEREQUEST']._serialized_start=525
+  _globals['_GENERATEREQUEST']._serialized_end=699
+  _globals['_USAGE']._serialized_start=702
+  _globals['_USAGE']._serialized_end=914
+  _globals['_USAGE_CACHEDTOKENSBYTIERENTRY']._serialized_start=857
+  _globals['_USAGE_CACHEDTOKENSBYTIERENTRY']._serialized_end=914
+  _globals['_GENERATERESPONSE']._serialized_start=917
+  _globals['_GENERATERESPONSE']._serialized_end=1220
+  _globals['_TOPLOGPROBS']._serialized_start=1222
+  _globals['_TOPLOGPROBS']._serialized_end=1272
+  _globals['_ABORTREQUEST']._serialized_start=1274
+  _globals['_ABORTREQUEST']._serialized_end=1308
+  _globals['_ABORTRESPONSE']._serialized_start=1310
+  _globals['_ABORTRESPONSE']._serialized_end=1340
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1342
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1363
+  _globals['_MODELINFO']._serialized_start=1366
+  _globals['_MODELINFO']._serialized_end=1617
+  _globals['_GETLOADREQUEST']._serialized_start=1619
+  _globals['_GETLOADREQUEST']._serialized_end=1635
+  _globals['_LOAD']._serialized_start=1638
+  _globals['_LOAD']._serialized_end=1883
+  _globals['_INFERENCE']._serialized_start=1886
+  _globals['_INFERENCE']._serialized_end=2153
 # @@protoc_insertion_point(module_scope)

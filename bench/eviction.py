@@ -1,0 +1,265 @@
+"""KV eviction policies on SmolLM2: quality against budget, a needle test, throughput, and
+what collecting attention weights costs.
+
+Held-out text: the GNU GPL v3 as Debian ships it (``/usr/share/common-licenses/GPL-3``, in
+``base-files``); the policies' defaults come from their papers and were not tuned here, and
+the engine tests use tinyshakespeare.
+
+* ``ppl``: perplexity of a ``--continuation``-token continuation after a ``--context``-token
+  context (default 256 after 1,536), for each policy and the ``random`` baseline at each
+  ``--fractions`` of the context (default 12.5%, 25%, 50%), against the full cache in the
+  same run. The budget bounds the whole cache: the continuation's own tokens are evicted
+  too once past ``budget + block_size``, exactly as in serving (a stricter setting than
+  compressing the context alone). The continuation is teacher-forced one token a step
+  through the engine's own step path (runner, then ``EvictionManager.after_step``).
+* ``needle``: ``--needles`` facts ("The pass code of NAME is NUMBER.") at depths spread
+  over a ``--needle-context``-token filler, the question at the end; greedy answer, right
+  when the number appears in the first 8 tokens. Full cache and each policy at
+  ``--needle-fractions`` (default 10%, 25%).
+* ``throughput``: ``--tput-requests`` prompts of ``--tput-prompt`` tokens (default 32 x
+  2,048) with ``--tput-new`` output tokens, in a ``--pool`` pool (default 1 GiB): full
+  cache against SnapKV at 25%, output tokens/s and the ratio.
+* ``weights_cost``: decode with H2O at a budget it never reaches (it collects every query's
+  attention weights, evicts nothing) against no budget: the price of the weights alone.
+
+Prints one JSON object on stdout; progress on stderr. ``--parts`` picks what runs.
+
+    python bench/eviction.py --parts ppl,needle,throughput,weights_cost
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+from machine import machine_info
+
+from kvmesh.worker import LLM, SamplingParams
+
+GPL = Path("/usr/share/common-licenses/GPL-3")
+POLICIES = ("snapkv", "h2o", "streaming", "random")
+
+
+def log(*a) -> None:
+    print(*a, file=sys.stderr, flush=True)
+
+
+def continuation_nll(llm: LLM, ctx: list[int], cont: list[int], budget, policy) -> float:
+    """Mean NLL (nats) of ``cont`` after ``ctx``, the cache under ``budget`` by ``policy``."""
+    eng = llm.engine
+    params = SamplingParams(max_tokens=1, kv_budget=budget, kv_policy=policy if budget else None)
+    req = eng.make_request(ctx, params)
+    chunk = eng.scheduler_config.max_num_batched_tokens
+    nll = 0.0
+    try:
+        while req.num_computed_tokens < req.num_tokens:
+            n = min(chunk, req.num_tokens - req.num_computed_tokens)
+            assert eng.kv.allocate_slots(req, n) is not None, "pool too small"
+            _, logits = eng.runner.execute([(req, n)])
+            req.num_computed_tokens += n
+            eng.eviction.after_step([(req, n)])
+        for tok in cont:
+            nll -= torch.log_softmax(logits[-1].float(), -1)[tok].item()
+            req.append_token(tok)
+            assert eng.kv.allocate_slots(req, 1) is not None, "pool too small"
+            _, logits = eng.runner.execute([(req, 1)])
+            req.num_computed_tokens += 1
+            eng.eviction.after_step([(req, 1)])
+    finally:
+        eng.kv.free(req)
+    return nll / len(cont)
+
+
+def bench_ppl(llm: LLM, ids: list[int], args) -> dict:
+    C, N = args.context, args.continuation
+    windows = [ids[i : i + C + N] for i in range(0, len(ids) - C - N + 1, C + N)][: args.windows]
+    rows = {}
+
+    def ppl(budget, policy) -> float:
+        t0 = time.monotonic()
+        nll = sum(continuation_nll(llm, w[:C], w[C:], budget, policy) for w in windows)
+        val = math.exp(nll / len(windows))
+        log(f"ppl {policy or 'full'} budget={budget}: {val:.3f} ({time.monotonic() - t0:.0f}s)")
+        return val
+
+    full = ppl(None, None)
+    for frac in args.fractions:
+        budget = max(8, int(C * frac))
+        for policy in POLICIES:
+            p = ppl(budget, policy)
+            rows[f"{policy}@{frac:g}"] = {
+                "budget": budget,
+                "ppl": round(p, 4),
+                "vs_full": round(p / full - 1, 4),
+            }
+    return {
+        "context": C,
+        "continuation": N,
+        "windows": len(windows),
+        "full_ppl": round(full, 4),
+        "rows": rows,
+    }
+
+
+NAMES = ["Alice", "Boris", "Chen", "Dmitri", "Elena", "Farid", "Greta", "Hiro", "Ines", "Jonas"]
+
+
+def bench_needle(llm: LLM, ids: list[int], args) -> dict:
+    tok = llm.tokenizer
+    rng = random.Random(0)
+    T = args.needle_context
+    cases = []
+    for i in range(args.needles):
+        name = f"{NAMES[i % len(NAMES)]} {chr(65 + i // len(NAMES) % 26)}."
+        code = str(rng.randrange(10_000, 100_000))
+        depth = (i % 5) / 4 * 0.9 + 0.05  # 5%, 27.5%, 50%, 72.5%, 95%
+        needle = tok.encode(f" The pass code of {name} is {code}. ")
+        question = tok.encode(
+            f"\n\nQuestion: what is the pass code of {name}? Answer: the pass code of {name} is"
+        )
+        n_fill = T - len(needle) - len(question)
+        start = rng.randrange(0, len(ids) - n_fill)
+        filler = ids[start : start + n_fill]
+        at = int(depth * n_fill)
+        cases.append((filler[:at] + needle + filler[at:] + question, code, depth))
+
+    def accuracy(budget, policy) -> dict:
+        params = SamplingParams(
+            temperature=0, max_tokens=8, kv_budget=budget, kv_policy=policy if budget else None
+        )
+        t0 = time.monotonic()
+        outs = llm.generate([c for c, _, _ in cases], params)
+        hits = [code in o.text for o, (_, code, _) in zip(outs, cases)]
+        acc = sum(hits) / len(hits)
+        log(f"needle {policy or 'full'} budget={budget}: {acc:.2f} ({time.monotonic() - t0:.0f}s)")
+        return {"budget": budget, "accuracy": round(acc, 4)}
+
+    full = accuracy(None, None)
+    rows = {}
+    for frac in args.needle_fractions:
+        budget = max(8, int(T * frac))
+        for policy in POLICIES:
+            r = accuracy(budget, policy)
+            r["vs_full"] = round(r["accuracy"] / full["accuracy"], 4) if full["accuracy"] else None
+            rows[f"{policy}@{frac:g}"] = r
+    return {"context": T, "needles": len(cases), "full_accuracy": full["accuracy"], "rows": rows}
+
+
+def bench_throughput(args, ids: list[int]) -> dict:
+    out = {}
+    prompts = [ids[i * 97 : i * 97 + args.tput_prompt] for i in range(args.tput_requests)]
+    assert all(len(p) == args.tput_prompt for p in prompts), "text too short for the prompts"
+    for label, budget in (("full", None), ("snapkv@0.25", args.tput_prompt // 4)):
+        llm = LLM(
+            "smollm2-135m-instruct",
+            kv_cache_memory=args.pool,
+            max_num_batched_tokens=args.chunk,
+            enable_prefix_caching=False,
+        )
+        params = SamplingParams(
+            temperature=0,
+            max_tokens=args.tput_new,
+            ignore_eos=True,
+            kv_budget=budget,
+            kv_policy="snapkv" if budget else None,
+        )
+        t0 = time.monotonic()
+        outs = llm.generate(prompts, params)
+        dt = time.monotonic() - t0
+        n_out = sum(len(o.token_ids) for o in outs)
+        s = llm.engine.stats()
+        out[label] = {
+            "seconds": round(dt, 2),
+            "output_tokens_per_s": round(n_out / dt, 2),
+            "num_pages": s.num_pages,
+            "preemptions": s.num_preemptions,
+        }
+        log(f"throughput {label}: {out[label]}")
+        llm.close()
+        del llm
+    out["ratio"] = round(
+        out["snapkv@0.25"]["output_tokens_per_s"] / out["full"]["output_tokens_per_s"], 3
+    )
+    out.update(
+        requests=args.tput_requests, prompt=args.tput_prompt, new=args.tput_new, pool=args.pool
+    )
+    return out
+
+
+def bench_weights_cost(llm: LLM, ids: list[int], args) -> dict:
+    prompts = [ids[i * 50 : i * 50 + 256] for i in range(args.wc_prompts)]
+    out = {}
+    for label, kw in (("none", {}), ("h2o_weights", {"kv_budget": 10**6, "kv_policy": "h2o"})):
+        params = SamplingParams(temperature=0, max_tokens=args.wc_new, ignore_eos=True, **kw)
+        llm.generate(prompts[:1], SamplingParams(max_tokens=2))  # warm
+        t0 = time.monotonic()
+        outs = llm.generate(prompts, params)
+        dt = time.monotonic() - t0
+        out[label] = round(sum(len(o.token_ids) for o in outs) / dt, 2)
+        log(f"weights_cost {label}: {out[label]} tok/s")
+    out["ratio"] = round(out["h2o_weights"] / out["none"], 3)
+    return {
+        "output_tokens_per_s": out,
+        "prompts": args.wc_prompts,
+        "prompt_tokens": 256,
+        "new": args.wc_new,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--parts", default="ppl,needle,throughput,weights_cost")
+    ap.add_argument("--context", type=int, default=1536)
+    ap.add_argument("--continuation", type=int, default=256)
+    ap.add_argument("--windows", type=int, default=1)
+    ap.add_argument("--fractions", type=float, nargs="+", default=[0.125, 0.25, 0.5])
+    ap.add_argument("--needles", type=int, default=50)
+    ap.add_argument("--needle-context", type=int, default=1024)
+    ap.add_argument("--needle-fractions", type=float, nargs="+", default=[0.10, 0.25])
+    ap.add_argument("--tput-requests", type=int, default=32)
+    ap.add_argument("--tput-prompt", type=int, default=2048)
+    ap.add_argument("--tput-new", type=int, default=64)
+    ap.add_argument("--pool", default="1GiB")
+    ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--wc-prompts", type=int, default=8)
+    ap.add_argument("--wc-new", type=int, default=64)
+    args = ap.parse_args()
+    parts = set(args.parts.split(","))
+    t0 = time.monotonic()
+    result = {
+        "bench": "eviction",
+        "machine": machine_info(),
+        "text": str(GPL),
+        "parts": sorted(parts),
+    }
+    llm = LLM(
+        "smollm2-135m-instruct",
+        dtype="float32",
+        kv_cache_memory="512MiB",
+        max_num_batched_tokens=args.chunk,
+    )
+    ids = llm.tokenizer.encode(GPL.read_text())
+    result["text_tokens"] = len(ids)
+    if "ppl" in parts:
+        result["ppl"] = bench_ppl(llm, ids, args)
+    if "needle" in parts:
+        result["needle"] = bench_needle(llm, ids, args)
+    if "weights_cost" in parts:
+        result["weights_cost"] = bench_weights_cost(llm, ids, args)
+    llm.close()
+    del llm
+    if "throughput" in parts:
+        result["throughput"] = bench_throughput(args, ids)
+    result["seconds"] = round(time.monotonic() - t0, 1)
+    result["load_after"] = machine_info().get("loadavg_1m")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""Reading a request's cached K/V per layer, and writing a compacted copy into new pages.
+
+A request's cache is ``N`` slots: slot ``j`` lives in page ``table[j // bs]`` at offset
+``j % bs``; for quantized formats the partial last page (``N % bs`` slots) is in the
+request's full-precision residual slot instead. Compaction never writes into a page the
+request already holds (it may be a shared prefix-cache page): the kept slots go to fresh
+pages, and the caller then drops the old ones.
+
+Quantized formats are recompressed at page granularity: the kept values are dequantized,
+gathered, and every full page of the result is quantized afresh (its own scales), exactly
+as a page filling in decode is; the partial last page goes to the residual in full
+precision. int4 keeps V Hadamard-rotated in the pages and the residual alike, so values
+move in the rotated domain and no rotation is applied here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvmesh.worker.attention.base import LayerCache
+
+
+def read_layer(
+    cache: LayerCache,
+    table: torch.Tensor,
+    n: int,
+    residual_slot: int,
+    dtype: torch.dtype,
+    keys_only: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """K and V of a request's first ``n`` slots: (n, Hkv, D) each, in ``dtype`` (V None with
+    ``keys_only``). table: (P,) int64 page ids covering the n slots."""
+    bs = cache.views["k"].shape[1]
+    pages = table[: -(-n // bs)]
+    sides = ("k",) if keys_only else ("k", "v")
+    out = {}
+    if not cache.quantized:
+        for s in sides:
+            out[s] = cache.views[s].index_select(0, pages).to(dtype)
+    else:
+        from kvmesh.kernels.quant import dequantize_k, dequantize_v
+
+        comps = {name: t.index_select(0, pages) for name, t in cache.views.items()}
+        residual = {"k": cache.residual_k, "v": cache.residual_v}
+        for s in sides:
+            x = (dequantize_k if s == "k" else dequantize_v)(cache.cache_format, comps)
+            x = x.to(dtype)  # (P, bs, Hkv, D)
+            if n % bs:  # the partial last page is in the residual, not (yet) in the page
+                x[n // bs] = residual[s][residual_slot].to(dtype)
+            out[s] = x
+    H, D = out["k"].shape[-2:]
+    k = out["k"].reshape(-1, H, D)[:n]
+    v = out["v"].reshape(-1, H, D)[:n] if "v" in out else None
+    return k, v
+
+
+def gather_heads(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """x: (N, Hkv, D), keep: (Hkv, K) slots per head -> (K, Hkv, D)."""
+    idx = keep.t().unsqueeze(-1).expand(-1, -1, x.shape[-1])  # (K, Hkv, D)
+    return x.gather(0, idx)
+
+
+def write_layer(
+    cache: LayerCache,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pages: torch.Tensor,
+    residual_slot: int,
+) -> None:
+    """Store k, v (K, Hkv, D) as slots 0..K-1 of ``pages`` (ceil(K / bs),) int64."""
+    bs = cache.views["k"].shape[1]
+    K = k.shape[0]
+    dev = k.device
+    j = torch.arange(K, device=dev)
+    if not cache.quantized:
+        kc, vc = cache.views["k"], cache.views["v"]
+        kc[pages[j // bs], j % bs] = k.to(kc.dtype)
+        vc[pages[j // bs], j % bs] = v.to(vc.dtype)
+        return
+    from kvmesh.kernels.cache_write import write_kv_cache  # Triton on CUDA
+
+    full = K // bs
+    R = cache.residual_k.shape[0]
+    src = (R * bs + torch.arange(full * bs, device=dev)).view(full, bs)
+    res = torch.where(j >= full * bs, residual_slot * bs + j % bs, torch.full_like(j, -1))
+    dt = cache.residual_k.dtype
+    write_kv_cache(
+        fmt=cache.cache_format,
+        k=k.to(dt).contiguous(),
+        v=v.to(dt).contiguous(),
+        cache=cache.views,
+        residual_k=cache.residual_k,
+        residual_v=cache.residual_v,
+        residual_slots=res,
+        complete_pages=pages[:full].contiguous(),
+        complete_src=src,
+    )
