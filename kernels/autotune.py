@@ -16,14 +16,14 @@ Rows are bucketed by the next power of two (1, 2, 4, ..., 256). Products of more
 prefill sizes the packing ``F.linear`` repeats is a small share of the product, and timing
 every candidate on a large weight at 2048 rows took most of a minute in the request path. A
 bucket is measured the first time a product of that size runs: every candidate on the real
-weight, interleaved in rounds, median time, fastest wins. The choice is cached in memory
-(every layer shares a shape) and on disk, in ``$KVMESH_AUTOTUNE_DIR/gemm.json`` (default
-``<cache_dir>/autotune``), keyed by the CPU model, its flags, the torch version, the thread
-count, the environment variables that cap the instruction set MKL / oneDNN / ATen use
-(``ISA_ENV``) and the shape: a cache copied from another machine (other flags) or made by
-another torch is not used, its entries are re-measured (and kept beside the new ones); a
-file that cannot be read is ignored with a warning and rewritten. Each choice is logged on
-one line.
+weight, interleaved in rounds (7, or 3 once they took 0.25 s), median time, fastest wins.
+The choice is cached in memory (every layer shares a shape) and on disk, in
+``$KVMESH_AUTOTUNE_DIR/gemm.json`` (default ``<cache_dir>/autotune``), keyed by the CPU
+model, its flags, the torch version, the thread count, the environment variables that cap
+the instruction set MKL / oneDNN / ATen use (``ISA_ENV``) and the shape: a cache copied from
+another machine (other flags) or made by another torch is not used, its entries are re-
+measured (and kept beside the new ones); a file that cannot be read is ignored with a
+warning and rewritten. Each choice is logged on one line.
 
 Several processes of one host (the workers of a node) share the file: a tuner that misses
 takes an exclusive ``flock`` on ``gemm.json.lock``, re-reads the file (another process may
@@ -72,6 +72,7 @@ MODES = ("auto", "exact", "legacy", *CANDIDATES)
 BUCKETS = tuple(2**i for i in range(12))  # 1 .. 2048 rows (tuned: up to MAX_TUNED_ROWS)
 CACHE_FORMAT = 1  # bumped when the candidates or the timing change: old entries are stale
 ROUNDS = 7
+TIME_BUDGET_S = 0.25  # a measurement stops after 3 rounds once its rounds took this long
 MAX_TUNED_ROWS = 256  # larger products run F.linear untuned (see the module doc)
 # environment that changes which kernels MKL / oneDNN / ATen dispatch to: part of the key
 ISA_ENV = (
@@ -134,11 +135,14 @@ def _time_rounds(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str,
     for f in fns.values():
         f()  # warm: first-call allocations, lazy packing
     times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(rounds):
+    start = time.perf_counter()
+    for r in range(rounds):
         for k, f in fns.items():
             t = time.perf_counter()
             f()
             times[k].append(time.perf_counter() - t)
+        if r >= 2 and time.perf_counter() - start > TIME_BUDGET_S:
+            break  # big products: 3 rounds suffice, the first start should not wait on more
     return {k: statistics.median(v) for k, v in times.items()}
 
 
