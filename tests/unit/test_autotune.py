@@ -179,3 +179,31 @@ def test_real_measurement_picks_a_candidate_and_logs_times(tmp_path, caplog):
     assert lin.plan[8] in autotune.CANDIDATES and tuner.measured == 1
     (msg,) = [r.getMessage() for r in caplog.records if "GEMM" in r.getMessage()]
     assert "median us: linear" in msg and "mkl" in msg and "onednn" in msg
+
+
+def _tune_in_a_process(i, path):
+    import time
+
+    def timer(fns, rounds):
+        time.sleep(0.02)  # a measurement takes time: the processes overlap
+        return {n: (1.0 if n == "linear" else 2.0) for n in fns}
+
+    tuner = GemmTuner(path, timer=timer)
+    for j in range(4):
+        PackedLinear(torch.randn(8 * (i * 4 + j + 1), 16), tuner=tuner)(torch.randn(4, 16))
+
+
+def test_concurrent_processes_lose_no_entries(tmp_path):
+    """Three worker processes tuning different shapes into one gemm.json at the same time
+    (before the file lock, most entries were lost: each wrote back its own stale copy)."""
+    import multiprocessing
+
+    path = tmp_path / "gemm.json"
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_tune_in_a_process, args=(i, path)) for i in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    assert len(json.loads(path.read_text())["entries"]) == 12
