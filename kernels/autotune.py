@@ -11,20 +11,34 @@ which candidate to run for each (weight shape, row bucket) and the tuner times t
 * ``onednn``: ``torch.ops.mkldnn._linear_pointwise`` over a weight reordered once into
   oneDNN's blocked layout.
 
-Rows are bucketed by the next power of two (1, 2, 4, ..., 2048; more rows use the last
-bucket). A bucket is measured the first time a product of that size runs: every candidate
-on the real weight, interleaved in rounds, median time, fastest wins. The choice is cached in
-memory (every layer shares a shape) and on disk, in ``<cache_dir>/autotune/gemm.json``, keyed
-by the CPU model, its flags, the torch version, the thread count and the shape: a cache
-copied from another machine (other flags) or made by another torch is not used, its entries
-are re-measured (and kept beside the new ones); a file that cannot be read is ignored with a
+Rows are bucketed by the next power of two (1, 2, 4, ..., 256). Products of more than
+``MAX_TUNED_ROWS`` (256) rows run ``F.linear`` untuned in ``auto``/``exact`` mode: at
+prefill sizes the packing ``F.linear`` repeats is a small share of the product, and timing
+every candidate on a large weight at 2048 rows took most of a minute in the request path. A
+bucket is measured the first time a product of that size runs: every candidate on the real
+weight, interleaved in rounds (7, or 3 once they took 0.25 s), median time, fastest wins.
+The choice is cached in memory (every layer shares a shape) and on disk, in
+``$KVMESH_AUTOTUNE_DIR/gemm.json`` (default ``<cache_dir>/autotune``), keyed by the CPU
+model, its flags, the torch version, the thread count, the environment variables that cap
+the instruction set MKL / oneDNN / ATen use (``ISA_ENV``) and the shape: a cache copied from
+another machine (other flags) or made by another torch is not used, its entries are re-
+measured (and kept beside the new ones); a file that cannot be read is ignored with a
 warning and rewritten. Each choice is logged on one line.
+
+Several processes of one host (the workers of a node) share the file: a tuner that misses
+takes an exclusive ``flock`` on ``gemm.json.lock``, re-reads the file (another process may
+have measured the bucket meanwhile: then it measures nothing), measures, merges its entry
+into what it just read and replaces the file through a temporary one. The lock is held
+across the measurement, so one process per host measures a bucket and the others read it.
 
 Numerics: ``linear`` and ``mkl`` (16 rows and up) give bit-identical results; ``onednn``
 accumulates in another order and differs from ``F.linear`` by float rounding (~1e-5
-relative). The engine's default mode, ``exact``, keeps only candidates whose output equals
-``F.linear``'s bit for bit at every row count of the bucket (checked once, when measured), so
-results are what they were before autotuning. ``auto`` takes the fastest, oneDNN included:
+relative). The engine's default mode, ``exact``, times every candidate first, then checks
+the ones faster than ``F.linear``, fastest first, for bit-equality with ``F.linear`` and
+takes the first that passes (``F.linear`` when none does). ``PackedLinear`` checks every row
+count of a bucket up to 64 rows and, above, its smallest, middle and largest count (GEMM
+libraries pick kernels by row count); the check runs once, when measured, so results are
+what they were before autotuning. ``auto`` takes the fastest, oneDNN included:
 faster on the machines measured, but its last-bit differences flip int8/int4 codes of the
 quantized KV cache, so greedy tokens no longer equal the fake-quantized transformers
 reference of tests/integration/test_quantized_engine.py (measured: int8 test fails under
@@ -35,6 +49,8 @@ reference of tests/integration/test_quantized_engine.py (measured: int8 test fai
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -53,9 +69,19 @@ log = logging.getLogger(__name__)
 
 CANDIDATES = ("linear", "mkl", "onednn")
 MODES = ("auto", "exact", "legacy", *CANDIDATES)
-BUCKETS = tuple(2**i for i in range(12))  # 1 .. 2048 rows
+BUCKETS = tuple(2**i for i in range(12))  # 1 .. 2048 rows (tuned: up to MAX_TUNED_ROWS)
 CACHE_FORMAT = 1  # bumped when the candidates or the timing change: old entries are stale
 ROUNDS = 7
+TIME_BUDGET_S = 0.25  # a measurement stops after 3 rounds once its rounds took this long
+MAX_TUNED_ROWS = 256  # larger products run F.linear untuned (see the module doc)
+# environment that changes which kernels MKL / oneDNN / ATen dispatch to: part of the key
+ISA_ENV = (
+    "MKL_ENABLE_INSTRUCTIONS",
+    "MKL_CBWR",
+    "ATEN_CPU_CAPABILITY",
+    "DNNL_MAX_CPU_ISA",
+    "ONEDNN_MAX_CPU_ISA",
+)
 
 
 def bucket(rows: int) -> int:
@@ -91,13 +117,15 @@ def _cpu() -> tuple[str, str]:
 
 
 def machine_key() -> dict:
-    """What a measurement is valid for: CPU model and flags, torch version, threads now."""
+    """What a measurement is valid for: CPU model and flags, torch version, threads now, and
+    the environment variables that cap or pin the instruction set MKL / oneDNN / ATen use."""
     model, flags = _cpu()
     return {
         "cpu": model,
         "flags": flags,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        "isa_env": {k: os.environ[k] for k in ISA_ENV if k in os.environ},
     }
 
 
@@ -107,11 +135,14 @@ def _time_rounds(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str,
     for f in fns.values():
         f()  # warm: first-call allocations, lazy packing
     times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(rounds):
+    start = time.perf_counter()
+    for r in range(rounds):
         for k, f in fns.items():
             t = time.perf_counter()
             f()
             times[k].append(time.perf_counter() - t)
+        if r >= 2 and time.perf_counter() - start > TIME_BUDGET_S:
+            break  # big products: 3 rounds suffice, the first start should not wait on more
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -154,8 +185,10 @@ class GemmTuner:
             and e.get("choice") in CANDIDATES
         )
 
-    def _load(self) -> list[dict]:
-        if self._disk is not None:
+    def _load(self, reread: bool = False) -> list[dict]:
+        """The file's entries (all machines), read once; ``reread``: read it again (under the
+        file lock, before measuring, so entries other processes wrote since are seen)."""
+        if self._disk is not None and not reread:
             return self._disk
         self._disk = []
         if self.cache_path is None or not self.cache_path.exists():
@@ -174,18 +207,47 @@ class GemmTuner:
             )
         return self._disk
 
+    @contextlib.contextmanager
+    def _file_lock(self):
+        """An exclusive ``flock`` on ``<cache>.lock`` across re-read, measure and write: the
+        processes of one host sharing the file measure one at a time, and each merges its
+        entry into what the others wrote. Without a lock (unwritable dir) it still works,
+        racing as before."""
+        if self.cache_path is None:
+            yield
+            return
+        fd = None
+        try:
+            self.cache_path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(str(self.cache_path) + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as e:
+            log.warning("could not lock the GEMM autotune cache %s: %s", self.cache_path, e)
+        try:
+            yield
+        finally:
+            if fd is not None:
+                os.close(fd)  # releases the flock
+
     def _save(self, entry: dict) -> None:
+        """Merge ``entry`` into the entries read under the file lock and write them back."""
         self._disk = [e for e in self._load() if not self._same_slot(e, entry)] + [entry]
         if self.cache_path is None:
             return
+        tmp = None
         try:
             self.cache_path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".json", dir=self.cache_path.parent)
+            fd, tmp = tempfile.mkstemp(suffix=".json.tmp", dir=self.cache_path.parent)
             with os.fdopen(fd, "w") as f:
                 json.dump({"format": CACHE_FORMAT, "entries": self._disk}, f, indent=1)
             os.replace(tmp, self.cache_path)  # readers never see a partial file
+            tmp = None
         except OSError as e:
             log.warning("could not write the GEMM autotune cache %s: %s", self.cache_path, e)
+        finally:
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
 
     @staticmethod
     def _same_slot(a: dict, b: dict) -> bool:
@@ -215,10 +277,16 @@ class GemmTuner:
                 choice = self.mode if self.mode in candidates else "linear"
             elif self.mode == "legacy":
                 choice = "mkl" if "mkl" in candidates and 8 < rows <= 64 else "linear"
+            elif rows > MAX_TUNED_ROWS:
+                choice = "linear"
             else:
-                choice = self._cached(shape, rows, candidates) or self._measure(
-                    shape, rows, candidates, exact
-                )
+                choice = self._cached(shape, rows, candidates)
+                if choice is None:
+                    with self._file_lock():
+                        self._load(reread=True)  # another process may have measured it
+                        choice = self._cached(shape, rows, candidates) or self._measure(
+                            shape, rows, candidates, exact
+                        )
             self._choices[key] = choice
             return choice
 
@@ -230,20 +298,29 @@ class GemmTuner:
         return None
 
     def _measure(self, shape, rows, candidates, exact=None) -> str:
+        """Time every candidate, then (mode ``exact``) check bit-equality only for those
+        faster than ``F.linear``, fastest first, stopping at the first exact one."""
         names = list(candidates)
-        if self.mode == "exact":
-            if exact is None:
-                ref = candidates["linear"]()
-                exact = lambda n: torch.equal(candidates[n](), ref)  # noqa: E731
-            names = [n for n in names if n == "linear" or exact(n)]
-        if len(names) == 1:  # nothing to race (exact mode left only F.linear)
-            choice, us = names[0], {}
-            why = "the only candidate bit-identical to F.linear"
+        if len(names) == 1:
+            choice, us, why = names[0], {}, "the only candidate"
         else:
             times = self.timer({n: candidates[n] for n in names}, self.rounds)
-            choice = min(names, key=lambda n: times[n])
             us = {n: round(times[n] * 1e6, 1) for n in names}
             why = "median us: " + ", ".join(f"{n} {t:g}" for n, t in us.items())
+            order = sorted(names, key=lambda n: times[n])
+            choice = order[0]
+            if self.mode == "exact":
+                if exact is None:
+                    ref = candidates["linear"]()
+                    exact = lambda n: torch.equal(candidates[n](), ref)  # noqa: E731
+                rejected = []
+                for n in order:
+                    if n == "linear" or exact(n):
+                        choice = n
+                        break
+                    rejected.append(n)
+                if rejected:
+                    why += "; not bit-identical to F.linear: " + ", ".join(rejected)
         self.measured += 1
         log.info("GEMM %s rows<=%d: %s (%s)", _name(shape), rows, choice, why)
         entry = {
@@ -269,11 +346,12 @@ _default_lock = threading.Lock()
 
 
 def default_tuner() -> GemmTuner:
-    """The process's tuner: cache under ``$KVMESH_CACHE_DIR/autotune``, mode ``$KVMESH_GEMM``."""
+    """The process's tuner: cache in ``$KVMESH_AUTOTUNE_DIR`` (default
+    ``$KVMESH_CACHE_DIR/autotune``), mode ``$KVMESH_GEMM``."""
     global _default
     with _default_lock:
         if _default is None:
             from kvmesh.worker import envs
 
-            _default = GemmTuner(envs.cache_dir() / "autotune" / "gemm.json", mode=envs.gemm_mode())
+            _default = GemmTuner(envs.autotune_dir() / "gemm.json", mode=envs.gemm_mode())
         return _default

@@ -20,8 +20,11 @@
  * the loop waits on memory at every page. The math is vectorised by hand, chosen at build
  * time: AVX-512 (16 floats) where the compiler targets it, else AVX2 with FMA and F16C (8
  * floats), for head sizes a multiple of the width up to 256; elsewhere a scalar loop runs.
- * Quantized pages (fp8, int8, int4) are dequantized a page at a time into an L1 scratch and
- * run through the same float page step (see the section at the end).
+ * Quantized pages: fp8 and int8 (and int4 on scalar builds or head sizes off the vector
+ * width) are dequantized a page at a time into a float scratch (a page of K and V: L1-sized
+ * for small heads, not for large Hkv * D * bs) and run through the same float page step;
+ * int4 on the vector builds folds its scales into q and the softmax weights instead (see the
+ * section at the end).
  */
 #include <math.h>
 #include <stdint.h>
@@ -302,11 +305,16 @@ DEFINE_DECODE(kvmesh_decode_attention_f16, _Float16, f16)
  *
  * Every component of a page is dense and sits at the same byte stride from page to page (the
  * pool is one uint8 tensor, page-major), so a component is a base pointer plus page * stride.
- * A page's valid rows are dequantized into a float scratch of (bs, Hkv, D) that stays in L1
+ * fp8/int8 pages (and int4 pages where the int4 vector step does not run: scalar builds, head
+ * sizes off the vector width) have their valid rows dequantized into a float scratch of
+ * (bs, Hkv, D) per K and V, in each thread's heap work area (L1-sized only for small pages),
  * and the float page step runs over it: the pool is read once, as stored (an int4 page is a
  * sixth of an fp32 one), and nothing is written back. The partial last page of a sequence
- * with a residual slot is read from the fp32 residual (R, bs, Hkv, D) instead. Dequantization
- * is the torch twin's arithmetic (q * scale [+ zero], two roundings), so it is bit-equal.
+ * with a residual slot is read from the fp32 residual (R, bs, Hkv, D) instead. This
+ * dequantization is the torch twin's arithmetic (q * scale [+ zero], two roundings), so the
+ * dequantized rows are bit-equal to the twin's; the attention over them then differs by
+ * float rounding (sum order). int4 on the vector builds (page_int4_vec) folds the scales into
+ * q and the softmax weights instead: equal to the twin within float rounding, not bit-equal.
  */
 enum { QFMT_FP8 = 1, QFMT_INT8 = 2, QFMT_INT4 = 3 };
 
@@ -373,7 +381,8 @@ static inline void int4_vecs(const uint8_t *src, int64_t D, VF *out) {
     }
 }
 
-/* D / VW vectors of the codes of one row: in registers when D % 32 == 0, else via memory. */
+/* D / VW vectors of the codes of one row: widened in registers when D % 32 == 0, else through
+ * the codes scratch in memory. */
 static inline void int4_row(const uint8_t *src, int64_t D, float *codes, VF *out) {
     if (D % 32 == 0) {
         int4_vecs(src, D, out);
@@ -389,9 +398,10 @@ typedef struct {
     int64_t stride;                           /* bytes from one page to the next */
 } qpages;
 
-/* Rows [j0, j0 + nt) of page pg, K into kb and V into vb, (nt, H, D) float each. */
+/* Rows [j0, j0 + nt) of page pg, K into kb and V into vb, (nt, H, D) float each. kscr: 2*H*D
+ * floats of scratch (int4: the page's K scales and zeros as float), from the heap work area. */
 static inline void dequant_rows(int fmt, const qpages *P, int64_t pg, int64_t j0, int64_t nt,
-                                int64_t H, int64_t D, float *kb, float *vb) {
+                                int64_t H, int64_t D, float *kb, float *vb, float *kscr) {
     const int64_t off = pg * P->stride;
     if (fmt == QFMT_INT8 || fmt == QFMT_FP8) {
         const _Float16 *ks = (const _Float16 *)(P->ks + off) + j0 * H;
@@ -419,7 +429,7 @@ static inline void dequant_rows(int fmt, const qpages *P, int64_t pg, int64_t j0
     const _Float16 *vs = (const _Float16 *)(P->vs + off) + j0 * H * Gn;
     const _Float16 *vz = (const _Float16 *)(P->vz + off) + j0 * H * Gn;
     const uint8_t *kd = P->k + off + j0 * H * D2, *vd = P->v + off + j0 * H * D2;
-    float ksf[H * D], kzf[H * D]; /* the page's K scales and zeros as float, once */
+    float *ksf = kscr, *kzf = kscr + H * D; /* the page's K scales and zeros as float, once */
     for (int64_t i = 0; i < H * D; i++) {
         ksf[i] = (float)ks[i];
         kzf[i] = (float)kz[i];
@@ -458,7 +468,8 @@ static inline void prefetch_page(int fmt, const qpages *P, int64_t pg, int64_t b
 /* An int4 page step without a dequantized copy: keys' per-channel scales fold into the
  * query (q.(c*s + z) = (q*s).c + q.z, per page), values' per-token group scale and zero into
  * the softmax weight (p*(c*s + z) = (p*s)*c + p*z); only the 4-bit codes are widened, a row
- * at a time into L1. Same math as dequantizing first, other rounding (float-level). */
+ * at a time (in registers when D % 32 == 0, else through a D-float scratch). Same math as
+ * dequantizing first, other rounding (float-level): equal to the twin within rounding. */
 static void page_int4_vec(const float *qb, const qpages *P, int64_t pgid, int64_t j0,
                           int64_t nt, float *s, float *acc, float *m, float *l, int64_t Hq,
                           int64_t Hkv, const int64_t D, int64_t bs, float scale, float *qs,
@@ -526,6 +537,7 @@ static void seq_quant(int fmt, const float *qb, const qpages *P, const float *re
     const int64_t row = Hkv * D;
     float *s = work, *acc = s + Hq * bs, *m = acc + Hq * D, *l = m + Hq;
     float *kb = l + Hq, *vb = kb + bs * row;
+    float *kscr = vb + bs * row + Hq * D + Hq + D; /* 2 * row floats: int4's K scales, zeros */
     start_softmax(acc, m, l, Hq, D);
     const int64_t first = lo / bs, last = (L - 1) / bs;
     const int64_t tail = (L % bs && slot >= 0) ? L / bs : -1; /* page read from the residual */
@@ -546,7 +558,7 @@ static void seq_quant(int fmt, const float *qb, const qpages *P, const float *re
             continue;
 #endif
         } else {
-            dequant_rows(fmt, P, table[pg], j0, nt, Hkv, D, kb, vb);
+            dequant_rows(fmt, P, table[pg], j0, nt, Hkv, D, kb, vb, kscr);
             kp = kb;
             vp = vb;
         }
@@ -566,7 +578,7 @@ int kvmesh_decode_attention_quant(int fmt, const float *q, const uint8_t *k, con
                                   int64_t page_stride, float scale, int64_t window,
                                   int num_threads) {
     if (fmt != QFMT_FP8 && fmt != QFMT_INT8 && fmt != QFMT_INT4) return 2;
-    if (fmt == QFMT_INT4 && (D % 2 || D % (D < 32 ? D : 32) || Hkv * D > 8192)) return 2;
+    if (fmt == QFMT_INT4 && (D % 2 || D % (D < 32 ? D : 32))) return 2;
     if (fmt == QFMT_FP8) {
         _Pragma("omp critical(kvmesh_fp8_lut)") if (fp8_lut[0x38] != 1.0f) fill_fp8_lut();
     }

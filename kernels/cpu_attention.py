@@ -6,9 +6,13 @@ decode time that traffic is the step's largest cost after the weights. The C ker
 each K/V row once, in place, through the block table. ``kernels.cpu_native`` builds it.
 
 Float formats (fp32, fp16, bf16 pages) are read as stored; quantized ones (fp8, int8,
-int4, the byte layout of ``kernels.quant``) are dequantized a page at a time into a scratch
-that stays in L1, with a sequence's partial last page read from its fp32 residual slot. q
-and the result are fp32 inside. The torch twin is
+int4, the byte layout of ``kernels.quant``) are read in place, with a sequence's partial
+last page read from its fp32 residual slot: fp8 and int8 pages (and int4 on scalar builds
+or head sizes off the vector width) are dequantized a page at a time into a per-thread float
+scratch (small enough for L1 only for small pages) with the twin's arithmetic; int4 on the
+AVX2/AVX-512 builds folds its scales into q and the softmax weights instead of making a
+dequantized copy. Either way the result equals the twin's within float rounding (checked at
+2e-5), not bit for bit. q and the result are fp32 inside. The torch twin is
 ``kernels.decode_attention.paged_decode_attention_torch``.
 """
 

@@ -67,13 +67,19 @@ class PackedLinear:
         self.tunable = weight.device.type == "cpu" and weight.dtype == torch.float32
         self.packed = None  # MKL's packed copy, made on first use
         self.onednn_weight = None  # oneDNN's reordered copy, made on first use
-        self.plan: dict[int, str] = {}  # row bucket -> candidate
+        self._plans: dict[int, dict[int, str]] = {}  # threads -> row bucket -> candidate
 
     @property
     def tuner(self) -> autotune.GemmTuner:
         if self._tuner is None:
             self._tuner = autotune.default_tuner()
         return self._tuner
+
+    @property
+    def plan(self) -> dict[int, str]:
+        """Row bucket -> candidate, for the thread count now (a choice measured with 2
+        threads says nothing about 16)."""
+        return self._plans.setdefault(torch.get_num_threads(), {})
 
     @property
     def shape(self) -> tuple[int, int, bool]:
@@ -120,10 +126,12 @@ class PackedLinear:
 
     def _choose(self, rows: int) -> str:
         b = autotune.bucket(rows)
-        got = self.plan.get(b)
+        plan = self.plan
+        got = plan.get(b)
         if got is None:
             cands = self._candidates()
-            if len(cands) == 1:
+            tuned = self.tuner.mode in ("auto", "exact")
+            if len(cands) == 1 or (tuned and b > autotune.MAX_TUNED_ROWS):
                 got = "linear"
             else:
                 g = torch.Generator().manual_seed(b)
@@ -131,7 +139,7 @@ class PackedLinear:
                 calls = {n: (lambda f=f: f(x)) for n, f in cands.items()}
                 got = self.tuner.choose(self.shape, b, calls, lambda n: self._exact(cands[n], b))
                 self._drop_unused(got)
-            self.plan[b] = got
+            plan[b] = got
         return got
 
     def _exact(self, f, b: int) -> bool:
@@ -149,7 +157,7 @@ class PackedLinear:
 
     def _drop_unused(self, chosen: str) -> None:
         """Free the packed copies tuning made that no bucket runs (re-made if one does)."""
-        used = set(self.plan.values()) | {chosen}
+        used = {c for p in self._plans.values() for c in p.values()} | {chosen}
         if "mkl" not in used:
             self.packed = None
         if "onednn" not in used:

@@ -32,6 +32,13 @@ def cpu_kernels_enabled() -> bool:
     return _str("KVMESH_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def autotune_dir() -> Path:
+    """KVMESH_AUTOTUNE_DIR: where the GEMM autotuner keeps ``gemm.json`` (default
+    ``KVMESH_CACHE_DIR/autotune``). The test suite points it at a per-session directory."""
+    v = os.environ.get("KVMESH_AUTOTUNE_DIR")
+    return Path(v) if v else cache_dir() / "autotune"
+
+
 def gemm_mode() -> str:
     """KVMESH_GEMM: how CPU linear layers pick their GEMM (``kernels.autotune``): ``exact``
     (default: the fastest measured on this machine among those bit-identical to

@@ -1,6 +1,7 @@
 """The C decode kernel (kernels/cpu_attention.c) against its torch twin and a dense fp64
-reference: every build the machine runs (native, AVX-512 where the CPU has it; AVX2, native
-with AVX-512 turned off; portable, scalar), every cache format (float pages read as stored,
+reference: every build the machine runs (tests/kernels/builds.py: native, AVX-512 where the
+CPU has it; AVX2, native with AVX-512 turned off, where the CPU has AVX2, FMA and F16C;
+portable, scalar), every cache format (float pages read as stored,
 fp8/int8/int4 pages dequantized in the kernel with the tail in the residual), GQA ratios, odd
 lengths, random block tables, sliding windows, head sizes off the vector width."""
 
@@ -8,6 +9,7 @@ import math
 
 import pytest
 import torch
+from builds import host_builds, native_vector_bits
 from kvsim import KVSim
 from test_decode_attention import _dense_decode
 
@@ -19,33 +21,23 @@ from kvmesh.worker import envs
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
-def _cpu_flags() -> set[str]:
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
-BUILDS = ["native", "avx2", "portable"]
+BUILDS = list(host_builds())  # native, AVX2 where the CPU has it, portable
 
 
 @pytest.fixture(scope="module")
 def libraries(tmp_path_factory):
-    """Every build. No compiler is a failure that says how to install one, not a skip. The
-    CI machines are x86-64 with AVX2 (most with AVX-512): the native build must vectorise."""
+    """Every build this host runs (tests/kernels/builds.py). No compiler is a failure that
+    says how to install one, not a skip. The native build must vectorise where the CPU has
+    AVX2 (+FMA, F16C) or AVX-512."""
     d = tmp_path_factory.getbasetemp() / "cpu-kernels"  # one build per flag set per session
     cc = envs.c_compiler()
-    flags = _cpu_flags()
     builds = {
         name: cpu_native.CpuLibrary(cpu_native.compile_library(build_dir=d, cc=cc, flags=f))
-        for name, f in (
-            ("native", cpu_native.NATIVE_FLAGS),
-            ("avx2", cpu_native.AVX2_FLAGS),
-            ("portable", cpu_native.PORTABLE_FLAGS),
-        )
+        for name, f in host_builds().items()
     }
-    assert builds["native"].vector_bits == (512 if "avx512f" in flags else 256)
-    assert builds["avx2"].vector_bits == 256
+    assert builds["native"].vector_bits == native_vector_bits()
+    if "avx2" in builds:
+        assert builds["avx2"].vector_bits == 256
     assert builds["portable"].vector_bits == 0
     return builds
 
@@ -178,8 +170,6 @@ def _quant_args(sim, q, scale, window=None):
 def test_quantized_pages_match_torch_twin(libraries, build, fmt, Hq, Hkv, D):
     """Quantized pages dequantized in the kernel (the same stored scales and arithmetic as the
     torch twin), the partial last page from the residual, exactly full pages with no tail."""
-    if fmt == "int4" and D % min(32, D):
-        D = 32  # int4 needs D divisible by its value group
     sim = _sim(fmt, Hkv, D, [[37, 32, 1, 90], [2, 0, 0, 6]], seed=Hq + D)
     q = torch.randn(4, Hq, D, generator=torch.Generator().manual_seed(Hq * 3 + D))
     for window in (None, 20, 1):
@@ -188,6 +178,40 @@ def test_quantized_pages_match_torch_twin(libraries, build, fmt, Hq, Hkv, D):
         got = cpu_attention.paged_decode_attention_cpu(**args, library=libraries[build])
         assert got.dtype == q.dtype and got.shape == q.shape
         torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize(
+    "Hq,Hkv,D,bs",
+    [(6, 2, 16, 1), (3, 3, 24, 64), (4, 1, 24, 1), (2, 2, 256, 16)],
+)
+def test_int4_head_sizes_off_32_and_other_block_sizes(libraries, build, Hq, Hkv, D, bs):
+    """int4 with head sizes that are not a multiple of 32 (one value group of D: the vector
+    builds take their memory path for the codes, or the scalar dequantizing path where D is
+    off the vector width) and block sizes 1 and 64, against the torch twin."""
+    pages = -(-96 // bs)  # the longest sequence: 96 tokens
+    steps = [[37, 64, 1, 90], [2, 0, 0, 6]]
+    sim = _sim("int4", Hkv, D, steps, seed=D + bs, bs=bs, num_pages=4 * pages + 1, max_pages=pages)
+    q = torch.randn(4, Hq, D, generator=torch.Generator().manual_seed(D * 5 + bs))
+    for window in (None, 20):
+        args = _quant_args(sim, q, 1 / math.sqrt(D), window)
+        want = paged_decode_attention_torch(**args)
+        got = cpu_attention.paged_decode_attention_cpu(**args, library=libraries[build])
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("D", [128, 24])  # codes in registers (D % 32 == 0), via memory
+def test_int4_wide_kv_rows_above_8192_floats(libraries, build, D):
+    """Hkv * D above 8192 (the kernel once kept a page's K scales on the stack and refused
+    these shapes, a ValueError mid-serving): the scales live in the heap work area now."""
+    Hkv = 8192 // D + 2
+    sim = _sim("int4", Hkv, D, [[5, 19]], seed=D, bs=4, num_pages=13, max_pages=6)
+    q = torch.randn(2, Hkv, D, generator=torch.Generator().manual_seed(D))
+    args = _quant_args(sim, q, 1 / math.sqrt(D))
+    want = paged_decode_attention_torch(**args)
+    got = cpu_attention.paged_decode_attention_cpu(**args, library=libraries[build])
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
 
 
 def test_quantized_null_page_and_pool_poison_outside_pages(libraries):

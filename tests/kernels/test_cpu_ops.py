@@ -4,15 +4,12 @@ and the engine's C path against the pure torch path on a tiny model."""
 
 import pytest
 import torch
+from builds import host_builds
 
 from kvmesh.kernels import cpu_native, cpu_ops
 from kvmesh.worker import envs
 
-_FLAGS = {
-    "native": cpu_native.NATIVE_FLAGS,
-    "avx2": cpu_native.AVX2_FLAGS,
-    "portable": cpu_native.PORTABLE_FLAGS,
-}
+_FLAGS = host_builds()  # native, AVX2 where the CPU has it, portable
 
 
 @pytest.fixture(scope="module", params=list(_FLAGS))

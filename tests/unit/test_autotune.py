@@ -97,18 +97,79 @@ def test_fixed_modes_measure_nothing_and_bad_mode_is_named(tmp_path):
         GemmTuner(None, mode="fastest")
 
 
-def test_exact_mode_keeps_only_bit_equal_candidates():
-    seen = []
+def test_exact_mode_times_first_then_checks_faster_candidates_fastest_first(monkeypatch):
+    seen, checked = [], []
 
     def timer(fns, rounds):
         seen.append(set(fns))
-        return {n: (1.0 if n == "onednn" else 2.0) for n in fns}
+        return {"onednn": 1.0, "mkl": 1.5, "linear": 2.0}
 
+    def exact(self, f, b):  # oneDNN is not bit-equal, MKL packed is
+        checked.append(f.__name__)
+        return f.__name__ == "_mkl"
+
+    monkeypatch.setattr(PackedLinear, "_exact", exact)
     lin = _run(GemmTuner(None, mode="exact", timer=timer), rows=16)
-    # oneDNN rounds differently: never raced (nor is a lone bit-exact candidate timed)
-    assert all("onednn" not in names and "linear" in names for names in seen)
-    assert all(len(names) > 1 for names in seen)
-    assert lin.plan[16] in ("linear", "mkl")
+    assert seen == [{"linear", "mkl", "onednn"}]  # every candidate timed, once
+    assert checked == ["_onednn", "_mkl"] and lin.plan == {16: "mkl"}
+    # a candidate slower than F.linear is never checked: linear wins unchecked
+    checked.clear()
+    slow = lambda fns, rounds: {"onednn": 3.0, "mkl": 1.0, "linear": 2.0}  # noqa: E731
+    monkeypatch.setattr(PackedLinear, "_exact", lambda self, f, b: checked.append(f) or False)
+    assert _run(GemmTuner(None, mode="exact", timer=slow), rows=16).plan == {16: "linear"}
+    assert len(checked) == 1  # mkl only
+
+
+def test_exact_mode_rejects_onednn_by_the_real_check():
+    timer = FakeTimer("onednn")  # oneDNN "fastest": the bit-equality check must reject it
+    lin = _run(GemmTuner(None, mode="exact", timer=timer), rows=16)
+    assert timer.calls == 1 and lin.plan[16] in ("linear", "mkl")
+
+
+def test_products_above_256_rows_run_f_linear_untuned():
+    timer = FakeTimer("onednn")
+    tuner = GemmTuner(None, mode="exact", timer=timer)
+    lin = _run(tuner, rows=257)
+    assert lin.plan == {512: "linear"} and timer.calls == 0 and tuner.measured == 0
+    assert _run(GemmTuner(None, mode="auto", timer=timer), rows=256).plan == {256: "onednn"}
+
+
+def test_plan_is_kept_per_thread_count():
+    timer = FakeTimer("onednn")
+    tuner = GemmTuner(None, timer=timer)
+    lin = _run(tuner)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert lin.plan == {}
+        lin(torch.randn(16, 32))
+        assert timer.calls == 2 and lin.plan == {16: "onednn"}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_isa_environment_is_part_of_the_machine_key(monkeypatch):
+    monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS", raising=False)
+    plain = autotune.machine_key()
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+    assert autotune.machine_key() != plain
+    assert autotune.machine_key()["isa_env"] == {"MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+
+
+def test_two_tuners_sharing_a_file_keep_each_others_entries(tmp_path):
+    """Two worker processes (two tuners, each with its own in-memory copy) write different
+    entries into one gemm.json: none is lost, and one re-reads what the other measured."""
+    path = tmp_path / "gemm.json"
+    a, b = GemmTuner(path, timer=FakeTimer("linear")), GemmTuner(path, timer=FakeTimer("linear"))
+    PackedLinear(torch.randn(48, 32), tuner=a)(torch.randn(16, 32))
+    PackedLinear(torch.randn(64, 32), tuner=b)(torch.randn(16, 32))
+    PackedLinear(torch.randn(80, 32), tuner=a)(torch.randn(16, 32))  # a's copy is stale
+    shapes = sorted(e["shape"][0] for e in json.loads(path.read_text())["entries"])
+    assert shapes == [48, 64, 80]
+    # b misses its in-memory copy for 80, re-reads the file under the lock: measures nothing
+    PackedLinear(torch.randn(80, 32), tuner=b)(torch.randn(16, 32))
+    assert b.timer.calls == 1 and (path.parent / "gemm.json.lock").exists()
+    assert not list(tmp_path.glob("*.tmp"))
 
 
 def test_real_measurement_picks_a_candidate_and_logs_times(tmp_path, caplog):
@@ -118,3 +179,31 @@ def test_real_measurement_picks_a_candidate_and_logs_times(tmp_path, caplog):
     assert lin.plan[8] in autotune.CANDIDATES and tuner.measured == 1
     (msg,) = [r.getMessage() for r in caplog.records if "GEMM" in r.getMessage()]
     assert "median us: linear" in msg and "mkl" in msg and "onednn" in msg
+
+
+def _tune_in_a_process(i, path):
+    import time
+
+    def timer(fns, rounds):
+        time.sleep(0.02)  # a measurement takes time: the processes overlap
+        return {n: (1.0 if n == "linear" else 2.0) for n in fns}
+
+    tuner = GemmTuner(path, timer=timer)
+    for j in range(4):
+        PackedLinear(torch.randn(8 * (i * 4 + j + 1), 16), tuner=tuner)(torch.randn(4, 16))
+
+
+def test_concurrent_processes_lose_no_entries(tmp_path):
+    """Three worker processes tuning different shapes into one gemm.json at the same time
+    (before the file lock, most entries were lost: each wrote back its own stale copy)."""
+    import multiprocessing
+
+    path = tmp_path / "gemm.json"
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_tune_in_a_process, args=(i, path)) for i in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    assert len(json.loads(path.read_text())["entries"]) == 12
