@@ -251,6 +251,35 @@ class Cluster:
                     ray.kill(handle, no_restart=True)
             return sorted(self._pending)
 
+    def actor_state(self, handle) -> str | None:
+        """Ray's state of a worker actor (ALIVE, RESTARTING, DEAD, ...; None: unknown)."""
+        from ray._private import state
+
+        try:
+            return (state.actors(actor_id=handle._actor_id.hex()) or {}).get("State")
+        except Exception as e:  # the GCS busy or unreachable: decide nothing
+            logger.debug("actor state lookup failed: %r", e)
+            return None
+
+    def drop_dead_workers(self, live_names: set[str]) -> list[str]:
+        """Forget the workers not registered with the router that Ray reports dead for good
+        (restarts used up, or killed): they never come back, so they no longer count
+        towards the bounds (the autoscaler then starts a replacement if below
+        ``min_workers``). Returns their names."""
+        with self._lock:
+            absent = [
+                (n, h) for n, h in zip(self.worker_names, self.workers) if n not in live_names
+            ]
+        dead = [n for n, h in absent if self.actor_state(h) == "DEAD"]
+        with self._lock:
+            for name in dead:
+                if name in self.worker_names:
+                    i = self.worker_names.index(name)
+                    del self.worker_names[i], self.workers[i]
+        for name in dead:
+            logger.warning("worker %s is dead for good: no longer counted", name)
+        return dead
+
     def cancel_worker(self, name: str) -> None:
         """Give up a worker still starting."""
         import ray
@@ -279,15 +308,30 @@ class Cluster:
             i = self.worker_names.index(name)
             handle = self.workers[i]
         ray.get(self.router.begin_retire.remote(worker_id), timeout=30)
+        # requests the router routed there but the worker has not received yet would be cut
+        # by the server stopping: wait for the router's count to reach 0 first (same bound)
+        deadline = time.monotonic() + drain_timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if ray.get(self.router.in_flight.remote(worker_id), timeout=30) == 0:
+                    break
+            except Exception as e:
+                logger.warning("in-flight count of %s unavailable: %r", name, e)
+                break
+            time.sleep(0.1)
+        drain_left = max(0.0, deadline - time.monotonic())
         report: dict = {}
         try:
             report = ray.get(
-                handle.retire.remote(drain_timeout_s, flush_timeout_s, preserve_cache),
+                handle.retire.remote(drain_left, flush_timeout_s, preserve_cache),
                 timeout=drain_timeout_s + flush_timeout_s + 120,
             )
         except Exception as e:  # it died meanwhile: the router drops it as dead anyway
             logger.warning("retiring %s failed: %r", name, e)
-            ray.get(self.router.unregister.remote(worker_id, f"retired: {e!r}"), timeout=30)
+            ray.get(
+                self.router.unregister.remote(worker_id, f"retired: {e!r}", False, True),
+                timeout=30,
+            )
         with self._lock:
             if name in self.worker_names:
                 i = self.worker_names.index(name)
