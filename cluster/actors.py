@@ -84,6 +84,33 @@ class _EventBuffer:
             self._overflowed = False
 
 
+def metrics_port_for(host: str) -> int:
+    """The worker actor's /metrics port: KVMESH_WORKER_METRICS_PORT, or, when that port
+    cannot be bound here (several worker actors on one host share the env), any free port,
+    with a warning naming the variable (a PodMonitor on the fixed port misses this one)."""
+    import socket
+
+    from kvmesh.worker import envs
+
+    port = envs.worker_metrics_port()
+    if port == 0:
+        return 0
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            logger.warning(
+                "KVMESH_WORKER_METRICS_PORT=%d cannot be bound on %s (%s): another worker "
+                "on this host holds it? serving /metrics on a free port instead; run one "
+                "worker actor per host (pod) for a fixed port",
+                port,
+                host,
+                e.strerror or e,
+            )
+            return 0
+    return port
+
+
 class WorkerActor:
     """One engine, its gRPC server, and its reports to the router.
 
@@ -111,7 +138,6 @@ class WorkerActor:
     ) -> None:
         import torch
 
-        from kvmesh.worker import envs
         from kvmesh.worker.async_engine import AsyncEngine
         from kvmesh.worker.engine import LLMEngine
         from kvmesh.worker.server import WorkerServer
@@ -152,7 +178,7 @@ class WorkerActor:
             self.aeng,
             host=ip,
             grace_s=grace_s,
-            metrics_port=envs.worker_metrics_port() if metrics else None,
+            metrics_port=metrics_port_for(ip) if metrics else None,
             identity=identity,
             tokens=tokens,
             server_credentials=tls.server_credentials() if tls is not None and tls.serves else None,

@@ -384,3 +384,62 @@ def test_a_worker_dead_for_good_leaves_the_count_and_min_workers_is_restored(mon
     assert d.worker == "kvmesh-worker-2"
     # the replacement, starting, counts as pending: no second start
     assert a.step() is None
+
+
+def test_add_worker_after_shutdown_began_starts_nothing(monkeypatch):
+    import ray
+
+    from kvmesh.cluster.serve import Cluster, ClusterConfig
+
+    started = []
+    cl = Cluster(ClusterConfig(workers=1), object(), [object()], "x:1")
+    cl._spawn = lambda name: started.append(name) or object()
+    assert cl.add_worker() == "kvmesh-worker-1"
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    cl.shutdown()
+    assert cl.add_worker() is None and started == ["kvmesh-worker-1"]
+
+
+def test_workers_and_autoscale_given_together_must_agree():
+    from kvmesh.cluster.serve import ClusterConfig
+
+    bounds = AutoscaleConfig(min_workers=1, max_workers=4)
+    with pytest.raises(ValueError, match=r"workers=3 conflicts with autoscale \(min_workers=1"):
+        ClusterConfig(workers=3, autoscale=bounds)
+    assert ClusterConfig(autoscale=bounds).workers == 1
+    assert ClusterConfig(workers=1, autoscale=bounds).workers == 1
+    assert ClusterConfig().workers == 2
+    # the CLI's --workers default is no explicit choice
+    cfg = _serve("--max-workers 4")
+    assert (cfg.workers, cfg.autoscale.min_workers, cfg.autoscale.max_workers) == (1, 1, 4)
+
+
+def test_start_asks_a_worker_unavailable_for_now_again(monkeypatch):
+    import time
+
+    import ray
+    from ray.exceptions import ActorUnavailableError
+
+    from kvmesh.cluster.serve import _wait_ready
+
+    answers = {"w": [ActorUnavailableError("restarting", None), None]}
+
+    class W:
+        class ready:  # noqa: N801
+            @staticmethod
+            def remote():
+                return answers["w"].pop(0)
+
+    def get(ref, timeout=None):
+        if isinstance(ref, Exception):
+            raise ref
+        return ref
+
+    monkeypatch.setattr(ray, "get", get)
+    monkeypatch.setattr(time, "sleep", lambda s: None)
+    _wait_ready([W()], time.monotonic() + 30)
+    assert answers["w"] == []
+    # past the deadline the error is raised
+    answers["w"] = [ActorUnavailableError("restarting", None)] * 3
+    with pytest.raises(ActorUnavailableError):
+        _wait_ready([W()], time.monotonic() - 1)
