@@ -7,7 +7,8 @@ user's page; the policy in short:
 
 - **Signals**, averaged over the last ``look_back_s`` seconds: waiting requests and queued
   prefill tokens per live worker, the workers' mean KV-cache usage, and (with
-  ``ttft_slo_s``) the router's TTFT p99.
+  ``ttft_slo_s``) the router's TTFT p99, judged only over a window of at least
+  ``ttft_min_requests`` first tokens. A worker Ray reports dead for good leaves the count.
 - **Scale up** by one worker when any signal has stayed above its high mark for
   ``upscale_delay_s``; **scale down** by one when every signal, spread over one worker
   fewer, has stayed under its low mark for ``downscale_delay_s``. Between the marks
@@ -15,7 +16,8 @@ user's page; the policy in short:
   a signal oscillating inside the band, or crossing a mark for less than the delay, never
   scales. After an action the window starts over. Below ``min_workers`` or above
   ``max_workers`` the policy acts at once.
-- **Which worker goes**: the one whose cached pages are least unique in the cluster
+- **Which worker goes** (``RouterCore.retire_candidate``, asked only to scale down): the
+  one whose cached pages are least unique in the cluster
   (``PrefixIndex.unique_pages``: pages no other worker and not Redis holds), ties to the
   one with fewer requests in flight.
 - **Cache-preserving retirement**: the router stops routing to it; its requests in flight
