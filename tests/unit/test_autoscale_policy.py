@@ -443,3 +443,47 @@ def test_start_asks_a_worker_unavailable_for_now_again(monkeypatch):
     answers["w"] = [ActorUnavailableError("restarting", None)] * 3
     with pytest.raises(ActorUnavailableError):
         _wait_ready([W()], time.monotonic() - 1)
+
+
+def test_a_retiring_workers_publisher_never_registers_again(monkeypatch):
+    """Registered, then retiring, then the router answers ``unknown`` (it dropped the
+    worker when its server stopped): the publisher waits instead of registering again as
+    an ordinary worker."""
+    import sys
+    import threading
+    import types
+
+    import kvmesh.cluster.actors as actors
+    from kvmesh.cluster.actors import WorkerActor
+
+    fake_ray = types.SimpleNamespace(get=lambda r, timeout=None: r.v)
+    monkeypatch.setitem(sys.modules, "ray", fake_ray)
+    monkeypatch.setattr(actors, "ray", fake_ray)
+    registered, published = [], []
+    stop = threading.Event()
+    fake = types.SimpleNamespace()
+
+    def publish(wid, rows, load):
+        published.append(wid)
+        fake._retiring = True  # retire() began
+        return {"router_id": "r1", "status": "unknown"}
+
+    fake.__dict__.update(
+        _stop=stop,
+        _retiring=False,
+        _router_id=None,
+        router=types.SimpleNamespace(publish=_Method(publish)),
+        worker_id="w",
+        _load={},
+        call_timeout_s=1.0,
+        report_interval_s=0.01,
+        events=types.SimpleNamespace(take=lambda: ([], False)),
+        aeng=types.SimpleNamespace(request_finished=threading.Event(), last_stats=None),
+        _register=lambda: registered.append(1) or {"router_id": "r1", "status": "ok"},
+    )
+    t = threading.Thread(target=WorkerActor._publish_loop, args=(fake,), daemon=True)
+    t.start()
+    threading.Timer(0.5, stop.set).start()
+    t.join(5)
+    assert not t.is_alive()
+    assert published == ["w"] and registered == [1]
