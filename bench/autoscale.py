@@ -150,7 +150,6 @@ def run_one(name: str, trace, a: argparse.Namespace, redis: Redis) -> dict:
             preserve_cache=name == "autoscale",
         )
     cfg = ClusterConfig(
-        workers=a.max_workers,
         autoscale=autoscale,
         engine_args=dict(
             kv_cache_memory=a.kv_cache_memory,

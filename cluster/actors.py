@@ -84,6 +84,33 @@ class _EventBuffer:
             self._overflowed = False
 
 
+def metrics_port_for(host: str) -> int:
+    """The worker actor's /metrics port: KVMESH_WORKER_METRICS_PORT, or, when that port
+    cannot be bound here (several worker actors on one host share the env), any free port,
+    with a warning naming the variable (a PodMonitor on the fixed port misses this one)."""
+    import socket
+
+    from kvmesh.worker import envs
+
+    port = envs.worker_metrics_port()
+    if port == 0:
+        return 0
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            logger.warning(
+                "KVMESH_WORKER_METRICS_PORT=%d cannot be bound on %s (%s): another worker "
+                "on this host holds it? serving /metrics on a free port instead; run one "
+                "worker actor per host (pod) for a fixed port",
+                port,
+                host,
+                e.strerror or e,
+            )
+            return 0
+    return port
+
+
 class WorkerActor:
     """One engine, its gRPC server, and its reports to the router.
 
@@ -111,7 +138,6 @@ class WorkerActor:
     ) -> None:
         import torch
 
-        from kvmesh.worker import envs
         from kvmesh.worker.async_engine import AsyncEngine
         from kvmesh.worker.engine import LLMEngine
         from kvmesh.worker.server import WorkerServer
@@ -152,7 +178,7 @@ class WorkerActor:
             self.aeng,
             host=ip,
             grace_s=grace_s,
-            metrics_port=envs.worker_metrics_port() if metrics else None,
+            metrics_port=metrics_port_for(ip) if metrics else None,
             identity=identity,
             tokens=tokens,
             server_credentials=tls.server_credentials() if tls is not None and tls.serves else None,
@@ -161,6 +187,7 @@ class WorkerActor:
         self.server.start_in_thread()
         self.address = self.server.address
         self._stop = threading.Event()
+        self._retiring = False
         self._router_id: str | None = None
         self._threads = [
             threading.Thread(target=self._load_loop, name="kvmesh-load", daemon=True),
@@ -229,6 +256,9 @@ class WorkerActor:
 
         t0 = time.monotonic()
         deadline = t0 + drain_timeout_s
+        # sticky: a registration from here on says draining, and the publisher registers
+        # no more (a router that dropped us keeps us out of routing)
+        self._retiring = True
         busy = True
         while True:
             try:
@@ -264,7 +294,9 @@ class WorkerActor:
             logger.warning("retire: the last publish failed: %r", e)
         try:
             ray.get(
-                router.unregister.remote(self.worker_id, "retired by the autoscaler", preserve),
+                router.unregister.remote(
+                    self.worker_id, "retired by the autoscaler", preserve, True
+                ),
                 timeout=30,
             )
         except Exception as e:
@@ -329,6 +361,7 @@ class WorkerActor:
             "pages": pages,
             "load": self._load,
             "metrics_address": self.server.metrics_address,
+            "draining": self._retiring,
         }
         me = ray.get_runtime_context().current_actor
         return ray.get(self.router.register.remote(info, me), timeout=self.call_timeout_s)
@@ -341,6 +374,11 @@ class WorkerActor:
             try:
                 if self.router is None:
                     self.router = ray.get_actor(self.router_name)
+                if need_register and self._retiring:
+                    # retiring: never come back as a worker to route to; retire() sends
+                    # the last batch itself
+                    self._stop.wait(self.report_interval_s)
+                    continue
                 if need_register:
                     reply = self._register()
                     logger.info("registered with router %s", reply["router_id"])
@@ -469,18 +507,31 @@ class RouterActor:
         return self.server.call(self.core.publish, worker_id, rows, load)
 
     def unregister(
-        self, worker_id: str, reason: str = "unregistered", keep_redis: bool = False
+        self,
+        worker_id: str,
+        reason: str = "unregistered",
+        keep_redis: bool = False,
+        retired: bool = False,
     ) -> bool:
         with self._lock:
             self._handles.pop(worker_id, None)
         return self.server.call(
-            lambda: self.core.remove_worker(worker_id, reason, keep_redis=keep_redis)
+            lambda: self.core.remove_worker(
+                worker_id, reason, keep_redis=keep_redis, retired=retired
+            )
         )
+
+    def in_flight(self, worker_id: str) -> int:
+        """Requests the router has routed to a worker and not seen end."""
+        return self.server.call(lambda: self.core.inflight.of(worker_id).requests)
 
     # ------------------------------------------------------------ autoscaling
 
     def autoscale_view(self, look_back_s: float = 30.0) -> dict:
         return self.server.call(self.core.autoscale_view, look_back_s)
+
+    def retire_candidate(self) -> dict | None:
+        return self.server.call(self.core.retire_candidate)
 
     def begin_retire(self, worker_id: str) -> bool:
         return self.server.call(self.core.begin_retire, worker_id)

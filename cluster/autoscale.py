@@ -7,7 +7,8 @@ user's page; the policy in short:
 
 - **Signals**, averaged over the last ``look_back_s`` seconds: waiting requests and queued
   prefill tokens per live worker, the workers' mean KV-cache usage, and (with
-  ``ttft_slo_s``) the router's TTFT p99.
+  ``ttft_slo_s``) the router's TTFT p99, judged only over a window of at least
+  ``ttft_min_requests`` first tokens. A worker Ray reports dead for good leaves the count.
 - **Scale up** by one worker when any signal has stayed above its high mark for
   ``upscale_delay_s``; **scale down** by one when every signal, spread over one worker
   fewer, has stayed under its low mark for ``downscale_delay_s``. Between the marks
@@ -15,7 +16,8 @@ user's page; the policy in short:
   a signal oscillating inside the band, or crossing a mark for less than the delay, never
   scales. After an action the window starts over. Below ``min_workers`` or above
   ``max_workers`` the policy acts at once.
-- **Which worker goes**: the one whose cached pages are least unique in the cluster
+- **Which worker goes** (``RouterCore.retire_candidate``, asked only to scale down): the
+  one whose cached pages are least unique in the cluster
   (``PrefixIndex.unique_pages``: pages no other worker and not Redis holds), ties to the
   one with fewer requests in flight.
 - **Cache-preserving retirement**: the router stops routing to it; its requests in flight
@@ -62,6 +64,7 @@ class AutoscaleConfig:
     queued_tokens_low: float = 256.0
     kv_usage_low: float = 0.60
     ttft_low_fraction: float = 0.5  # of the SLO
+    ttft_min_requests: int = 20  # TTFT is judged only over a window holding this many
     # retirement
     drain_timeout_s: float = 30.0
     flush_timeout_s: float = 30.0
@@ -97,6 +100,8 @@ class AutoscaleConfig:
             lo, hi = getattr(self, low), getattr(self, high)
             if not 0 <= lo < hi:
                 raise ValueError(f"need 0 <= {low} < {high}, got {lo} and {hi}")
+        if self.ttft_min_requests < 1:
+            raise ValueError(f"ttft_min_requests must be >= 1, got {self.ttft_min_requests}")
         if not 0 < self.ttft_low_fraction < 1:
             raise ValueError(f"ttft_low_fraction must be in (0, 1), got {self.ttft_low_fraction}")
 
@@ -121,6 +126,7 @@ class Signals:
     queued_prefill_tokens: float = 0.0
     kv_usage: float = 0.0
     ttft_p99_s: float | None = None
+    ttft_requests: int = 0  # first tokens in the router's look-back window
 
     @classmethod
     def from_view(cls, view: Mapping, pending: int = 0) -> Signals:
@@ -133,6 +139,7 @@ class Signals:
             queued_prefill_tokens=float(view["queued_prefill_tokens"]),
             kv_usage=float(view["kv_usage"]),
             ttft_p99_s=view.get("ttft_p99_s"),
+            ttft_requests=int(view.get("ttft_requests") or 0),
         )
 
 
@@ -173,13 +180,18 @@ class ScalingPolicy:
         self._high_since = self._low_since = None
 
     def averaged(self) -> dict:
-        """The look-back window's mean per-worker signals (TTFT: the mean of the p99s)."""
+        """The look-back window's mean per-worker signals. TTFT: the mean of the p99s, a
+        sample with no request counting as 0 (under the SLO); None (not judged) while the
+        router's window holds fewer than ``ttft_min_requests`` first tokens, so one slow
+        request never scales."""
         samples = [s for _, s in self._samples]
         if not samples:
             return {}
         k = len(samples)
         per = [max(1, s.workers) for s in samples]
-        ttfts = [s.ttft_p99_s for s in samples if s.ttft_p99_s is not None]
+        ttfts = [s.ttft_p99_s or 0.0 for s in samples]
+        if samples[-1].ttft_requests < self.cfg.ttft_min_requests:
+            ttfts = []
         return {
             "workers": samples[-1].workers,
             "pending": samples[-1].pending,
@@ -193,6 +205,7 @@ class ScalingPolicy:
             / k,
             "kv_usage": sum(s.kv_usage for s in samples) / k,
             "ttft_p99_s": sum(ttfts) / len(ttfts) if ttfts else None,
+            "ttft_requests": samples[-1].ttft_requests,
         }
 
     def _high(self, avg: dict) -> list[str]:
@@ -280,7 +293,8 @@ class ScalingPolicy:
 def choose_worker_to_retire(view: Mapping[str, Mapping]) -> tuple[str, str]:
     """The worker whose cached pages are least unique in the cluster (fewest pages no other
     worker and not Redis holds), then the one with the fewest requests in flight, then by
-    id. ``view``: ``RouterCore.autoscale_view()["workers"]``. Returns (id, why)."""
+    id. ``view``: per worker id, ``unique_pages`` and ``in_flight`` (built by
+    ``RouterCore.retire_candidate``). Returns (id, why)."""
     if not view:
         raise ValueError("no live worker to retire")
     wid = min(view, key=lambda w: (view[w]["unique_pages"], view[w]["in_flight"], w))
@@ -328,9 +342,12 @@ class Autoscaler:
         view = ray.get(cl.router.autoscale_view.remote(self.cfg.look_back_s), timeout=30)
         live_names = {w["name"] for w in view["workers"].values()}
         pending = cl.pending_workers(live_names)
-        # a worker the cluster owns that is not live (Ray restarting it, or its registration
-        # lost) counts as pending too: the bounds count actors, and no load-based action is
-        # taken until it is back, so a restart never triggers a scale-up
+        # a worker Ray reports dead for good leaves the count; one the cluster owns that is
+        # not live otherwise (Ray restarting it, or its registration lost) counts as pending:
+        # the bounds count actors, and no load-based action is taken until it is back, so a
+        # restart never triggers a scale-up
+        for name in cl.drop_dead_workers(live_names):
+            logger.warning("autoscale: worker %s died for good; the bounds count it no more", name)
         absent = sum(name not in live_names for name in list(cl.worker_names))
         d = self.policy.observe(Signals.from_view(view, pending=len(pending) + absent))
         if d is None:
@@ -351,8 +368,12 @@ class Autoscaler:
                 d.worker_reason = "not registered yet"
                 cl.cancel_worker(pending[0])
             else:
-                wid, d.worker_reason = choose_worker_to_retire(view["workers"])
-                d.worker = view["workers"][wid]["name"]
+                # the unique-page count walks the index: asked only now, not every sample
+                cand = ray.get(cl.router.retire_candidate.remote(), timeout=30)
+                if cand is None:
+                    self.policy.reset()
+                    return None
+                wid, d.worker, d.worker_reason = cand["worker_id"], cand["name"], cand["why"]
                 logger.info(
                     "autoscale down: %d -> %d workers, retiring %s (%s; %s)",
                     d.from_workers,

@@ -38,7 +38,7 @@ DEFAULT_PORT = 50051
 class ClusterConfig:
     """What ``Cluster.start`` builds. ``engine_args`` go to every worker's ``LLMEngine``."""
 
-    workers: int = 2
+    workers: int | None = None  # None: 2, or autoscale.min_workers with autoscale
     model: str | None = None  # None: the default model
     engine_args: dict = field(default_factory=dict)
     policy: str = "prefix_affinity"
@@ -67,7 +67,7 @@ class ClusterConfig:
     default_deadline_s: float | None = DEFAULT_DEADLINE_S
     # autoscaling (cluster/autoscale.py, docs/autoscaling.md): with min < max the cluster
     # starts ``min_workers`` and an Autoscaler adds and retires workers; ``workers`` is then
-    # set to ``min_workers``
+    # set to ``min_workers`` (giving both with another value is an error)
     autoscale: AutoscaleConfig | None = None
     # on shutdown each worker writes its cache down to Redis (when configured) for at most
     # this long (worker/flush.py); 0: no flush
@@ -77,7 +77,15 @@ class ClusterConfig:
         from kvmesh.router.policies import POLICIES
 
         if self.autoscale is not None:
+            if self.workers is not None and self.workers != self.autoscale.min_workers:
+                raise ValueError(
+                    f"workers={self.workers} conflicts with autoscale (min_workers="
+                    f"{self.autoscale.min_workers}, max_workers={self.autoscale.max_workers}): "
+                    "the cluster starts min_workers; give workers or autoscale, not both"
+                )
             self.workers = self.autoscale.min_workers
+        elif self.workers is None:
+            self.workers = 2
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         if self.policy not in POLICIES:
@@ -126,6 +134,7 @@ class Cluster:
         self._spawn = None  # (name) -> actor handle, set by start
         self._pending: dict[str, tuple[object, float]] = {}  # name -> (handle, started)
         self._lock = threading.Lock()
+        self._closing = False  # set by shutdown: no worker is started after it
         self.autoscaler = None
 
     @classmethod
@@ -205,8 +214,7 @@ class Cluster:
             workers += [spawn(f"{cfg.name}-worker-{i}") for i in range(cfg.workers)]
             cluster = cls(cfg, router, workers, endpoint, identity)
             cluster._spawn = spawn
-            left = max(1.0, deadline - time.monotonic())
-            ray.get([w.ready.remote() for w in workers], timeout=left)
+            _wait_ready(workers, deadline)
             cluster.wait_for_workers(cfg.workers, timeout_s=max(1.0, deadline - time.monotonic()))
             if cfg.autoscale is not None:
                 ray.get(router.set_autoscale_config.remote(cfg.autoscale.as_dict()), timeout=30)
@@ -223,10 +231,13 @@ class Cluster:
 
     # ------------------------------------------------------------ scaling (autoscale.py)
 
-    def add_worker(self) -> str:
+    def add_worker(self) -> str | None:
         """Start one more worker actor; returns its name at once (it registers with the
-        router when its engine is up, or stays pending until Ray has room for it)."""
+        router when its engine is up, or stays pending until Ray has room for it). None,
+        starting nothing, once ``shutdown`` has begun."""
         with self._lock:
+            if self._closing:
+                return None
             name = f"{self.cfg.name}-worker-{self._next_slot}"
             self._next_slot += 1
             self._pending[name] = (self._spawn(name), time.monotonic())
@@ -250,6 +261,35 @@ class Cluster:
                     del self._pending[name]
                     ray.kill(handle, no_restart=True)
             return sorted(self._pending)
+
+    def actor_state(self, handle) -> str | None:
+        """Ray's state of a worker actor (ALIVE, RESTARTING, DEAD, ...; None: unknown)."""
+        from ray._private import state
+
+        try:
+            return (state.actors(actor_id=handle._actor_id.hex()) or {}).get("State")
+        except Exception as e:  # the GCS busy or unreachable: decide nothing
+            logger.debug("actor state lookup failed: %r", e)
+            return None
+
+    def drop_dead_workers(self, live_names: set[str]) -> list[str]:
+        """Forget the workers not registered with the router that Ray reports dead for good
+        (restarts used up, or killed): they never come back, so they no longer count
+        towards the bounds (the autoscaler then starts a replacement if below
+        ``min_workers``). Returns their names."""
+        with self._lock:
+            absent = [
+                (n, h) for n, h in zip(self.worker_names, self.workers) if n not in live_names
+            ]
+        dead = [n for n, h in absent if self.actor_state(h) == "DEAD"]
+        with self._lock:
+            for name in dead:
+                if name in self.worker_names:
+                    i = self.worker_names.index(name)
+                    del self.worker_names[i], self.workers[i]
+        for name in dead:
+            logger.warning("worker %s is dead for good: no longer counted", name)
+        return dead
 
     def cancel_worker(self, name: str) -> None:
         """Give up a worker still starting."""
@@ -279,15 +319,30 @@ class Cluster:
             i = self.worker_names.index(name)
             handle = self.workers[i]
         ray.get(self.router.begin_retire.remote(worker_id), timeout=30)
+        # requests the router routed there but the worker has not received yet would be cut
+        # by the server stopping: wait for the router's count to reach 0 first (same bound)
+        deadline = time.monotonic() + drain_timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if ray.get(self.router.in_flight.remote(worker_id), timeout=30) == 0:
+                    break
+            except Exception as e:
+                logger.warning("in-flight count of %s unavailable: %r", name, e)
+                break
+            time.sleep(0.1)
+        drain_left = max(0.0, deadline - time.monotonic())
         report: dict = {}
         try:
             report = ray.get(
-                handle.retire.remote(drain_timeout_s, flush_timeout_s, preserve_cache),
+                handle.retire.remote(drain_left, flush_timeout_s, preserve_cache),
                 timeout=drain_timeout_s + flush_timeout_s + 120,
             )
         except Exception as e:  # it died meanwhile: the router drops it as dead anyway
             logger.warning("retiring %s failed: %r", name, e)
-            ray.get(self.router.unregister.remote(worker_id, f"retired: {e!r}"), timeout=30)
+            ray.get(
+                self.router.unregister.remote(worker_id, f"retired: {e!r}", False, True),
+                timeout=30,
+            )
         with self._lock:
             if name in self.worker_names:
                 i = self.worker_names.index(name)
@@ -355,6 +410,8 @@ class Cluster:
         import ray
 
         grace = self.cfg.grace_s if grace is None else grace
+        with self._lock:
+            self._closing = True
         if not ray.is_initialized():
             return
         if self.autoscaler is not None:
@@ -379,6 +436,31 @@ class Cluster:
                 ray.kill(h, no_restart=True)
             except Exception:  # already gone
                 pass
+
+
+def _wait_ready(workers: list, deadline: float) -> None:
+    """Wait for every worker actor's ``ready``; one Ray reports unavailable for now (a
+    restart after its first start failed, a node still joining) is asked again until the
+    deadline, then the last error is raised."""
+    import ray
+    from ray.exceptions import ActorUnavailableError
+
+    todo = list(workers)
+    while todo:
+        left = max(1.0, deadline - time.monotonic())
+        refs = {w: w.ready.remote() for w in todo}
+        failed, err = [], None
+        for w, ref in refs.items():
+            try:
+                ray.get(ref, timeout=left)
+            except ActorUnavailableError as e:
+                failed.append(w)
+                err = e
+        if failed and time.monotonic() >= deadline:
+            raise err
+        if failed:
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+        todo = failed
 
 
 def _driver_node():
@@ -529,7 +611,8 @@ def config_from_args(a: argparse.Namespace) -> ClusterConfig:
     if a.peer:
         engine_args["peers"] = list(a.peer)
     return ClusterConfig(
-        workers=a.workers,
+        # --workers (default 2) only sizes the autoscale bounds here (autoscale_from_args):
+        # the cluster starts their min
         autoscale=autoscale_from_args(a),
         flush_timeout_s=a.flush_timeout,
         model=a.model,

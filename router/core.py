@@ -242,6 +242,8 @@ class RouterCore:
         if old is not None:
             rec.routed, rec.events = old.routed, old.events
         self.workers[wid] = rec
+        if info.get("draining"):  # a retiring worker registering again stays out of routing
+            self.draining.add(wid)
         by_tier = Counter(t for t, _ in pages)
         logger.info(
             "worker %s (%s) registered at %s: cached pages %s, stream from seq %d",
@@ -282,16 +284,25 @@ class RouterCore:
             rec.last_heard = self._clock()
 
     def remove_worker(
-        self, worker_id: str, reason: str, *, dead: bool = False, keep_redis: bool = False
+        self,
+        worker_id: str,
+        reason: str,
+        *,
+        dead: bool = False,
+        keep_redis: bool = False,
+        retired: bool = False,
     ) -> bool:
         """Drop a worker from routing, from the index and from the in-flight counts.
         Returns whether it was known. ``dead``: it is gone or does not answer (a failed
         health check, no report, a restart), so the ``on_dead`` listeners cut the calls in
         flight to it; a worker that leaves by itself (draining) finishes them.
         ``keep_redis``: the pages it wrote to Redis stay credited (a retired worker that
-        flushed its cache there)."""
+        flushed its cache there). ``retired``: the retiring worker's own last unregister;
+        only it clears the draining mark, so a retiring worker dropped meanwhile (its server
+        stopped) and registering again stays out of routing."""
         rec = self.workers.pop(worker_id, None)
-        self.draining.discard(worker_id)
+        if retired:
+            self.draining.discard(worker_id)
         self.index.remove_worker(worker_id, keep_redis=keep_redis)
         self.inflight.drop_worker(worker_id)
         if rec is None:
@@ -408,27 +419,48 @@ class RouterCore:
         return xs[min(len(xs) - 1, max(0, -(-99 * len(xs) // 100) - 1))]
 
     def autoscale_view(self, look_back_s: float = 30.0) -> dict:
-        """What the autoscaler decides from: the fleet's load over the live (not draining)
-        workers, the router's TTFT p99, and per worker its slot name, requests in flight and
-        unique pages (``PrefixIndex.unique_pages``)."""
+        """What the autoscaler samples every interval: the fleet's load over the live (not
+        draining) workers, the router's TTFT p99 and how many first tokens it is over, and
+        per worker its slot name and requests in flight. Cheap: the unique-page count walks
+        the index, so it is left to ``retire_candidate``, asked only to scale down."""
         live = [wid for wid in self.workers if wid not in self.draining]
+        since = self._clock() - look_back_s
         loads = {wid: self.load_of(wid) for wid in live}
         return {
             "workers": {
                 wid: {
                     "name": self.workers[wid].name,
                     "in_flight": self.inflight.of(wid).requests,
-                    "unique_pages": self.index.unique_pages(wid),
                 }
                 for wid in live
             },
-            "draining": sorted(self.draining),
+            "draining": sorted(w for w in self.draining if w in self.workers),
             "waiting": sum(ld.waiting for ld in loads.values()),
             "running": sum(ld.running for ld in loads.values()),
             "queued_prefill_tokens": sum(ld.queued_prefill_tokens for ld in loads.values()),
             "kv_usage": (sum(ld.kv_usage for ld in loads.values()) / len(loads)) if loads else 0.0,
             "ttft_p99_s": self.ttft_p99(look_back_s),
+            "ttft_requests": sum(at >= since for at, _ in self.ttfts),
         }
+
+    def retire_candidate(self) -> dict | None:
+        """The live worker to retire (``cluster.autoscale.choose_worker_to_retire``: fewest
+        pages no other worker and not Redis holds, then fewest in flight): ``worker_id``,
+        ``name``, ``why``; None when no worker is live."""
+        from kvmesh.cluster.autoscale import choose_worker_to_retire
+
+        live = [wid for wid in self.workers if wid not in self.draining]
+        if not live:
+            return None
+        view = {
+            wid: {
+                "in_flight": self.inflight.of(wid).requests,
+                "unique_pages": self.index.unique_pages(wid),
+            }
+            for wid in live
+        }
+        wid, why = choose_worker_to_retire(view)
+        return {"worker_id": wid, "name": self.workers[wid].name, "why": why}
 
     def record_scaling(self, decision: dict) -> None:
         """Keep an autoscaling decision (``cluster.autoscale.ScaleDecision.as_dict``) for
@@ -510,7 +542,7 @@ class RouterCore:
             "removed": list(self.removed),
             "autoscale": {
                 "config": self.autoscale_config,
-                "draining": sorted(self.draining),
+                "draining": sorted(w for w in self.draining if w in self.workers),
                 "decisions": list(self.scaling)[-16:],
                 "counts": dict(self.scaling_counts),
             },

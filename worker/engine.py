@@ -550,11 +550,13 @@ class LLMEngine:
             queued_prefill_tokens=queued,
         )
 
-    def reset_prefix_cache(self) -> int:
+    def reset_prefix_cache(self, drain_timeout_s: float = 30.0) -> int:
         """Drop every cached device page no request holds, the way eviction does: with a
-        tiered store they spill down to host (and on to Redis). Returns how many."""
+        tiered store they spill down to host (and on to Redis). Returns how many; waits at
+        most ``drain_timeout_s`` for them to be in the store (TimeoutError past it)."""
         n = self.kv.reset_prefix_cache()
-        self.connector.drain()  # an admin call: return once the pages are in the store
+        # an admin call: return once the pages are in the store
+        self.connector.drain(drain_timeout_s)
         return n
 
     def store_metrics(self) -> dict:

@@ -9,9 +9,10 @@ Host RAM and the device pool die with the process; Redis outlives it. So ``LLM.c
 2. every host-tier page Redis does not hold yet is written to Redis, most recently used
    first (``TieredStore.flush_down``).
 
-Both steps run against one deadline (``timeout_s``, default 30 s); what is not written by
-then is left (counted, logged), never waited for. Without a Redis tier there is nothing to
-flush to and nothing is done.
+Both steps run against one deadline (``timeout_s``, default 30 s): the wait for the device
+spill is bounded by it too, and what is not written by then is left (counted, logged), never
+waited for. ``timeout_s`` 0 flushes nothing. Without a Redis tier there is nothing to flush
+to and nothing is done. ``pages_written`` counts only what Redis accepted.
 """
 
 from __future__ import annotations
@@ -48,6 +49,11 @@ def has_shared_tier(engine) -> bool:
     return store is not None and any(t.name == SHARED_TIER for t in store.tiers)
 
 
+def _accepted(tier) -> int:
+    """Pages the Redis tier has accepted so far (its ``puts`` counter)."""
+    return int(getattr(tier, "metrics", {}).get("puts", 0))
+
+
 def flush_to_shared(
     engine, timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S, *, device: bool = True
 ) -> FlushReport:
@@ -57,24 +63,32 @@ def flush_to_shared(
     if timeout_s < 0:
         raise ValueError(f"flush timeout must be >= 0 seconds, got {timeout_s}")
     rep = FlushReport()
-    if not has_shared_tier(engine):
+    if not has_shared_tier(engine) or timeout_s == 0:  # 0: no flush at all
         return rep
     rep.shared_tier = SHARED_TIER
     t0 = time.monotonic()
+    first = engine.store.tiers[0]
+    direct = first.name == SHARED_TIER  # no host tier: the device spill goes to Redis
+    puts0 = _accepted(first)
     try:
         if device:
-            # spills through the connector like any eviction, and waits until the pages
-            # are in the first tier (the host tier writes its own victims to Redis)
-            rep.device_pages_spilled = engine.reset_prefix_cache()
+            # spills through the connector like any eviction, and waits (within the
+            # deadline) until the pages are in the first tier (the host tier writes its
+            # own victims to Redis)
+            try:
+                rep.device_pages_spilled = engine.reset_prefix_cache(drain_timeout_s=timeout_s)
+            except TimeoutError:
+                rep.timed_out = True
+                logger.warning("flush: the device spill did not finish within %.1fs", timeout_s)
         left = max(0.0, timeout_s - (time.monotonic() - t0))
-        res = engine.store.flush_down(left)
-        rep.host_pages_written = res.written
-        rep.host_pages_already = res.already
-        # without a host tier the device spill went straight to Redis
-        direct = engine.store.tiers[0].name == SHARED_TIER
-        rep.pages_written = res.written + (rep.device_pages_spilled if direct else 0)
-        rep.pages_left = res.left
-        rep.timed_out = res.timed_out
+        if not rep.timed_out:
+            res = engine.store.flush_down(left)
+            rep.host_pages_written = res.written
+            rep.host_pages_already = res.already
+            rep.pages_left = res.left
+            rep.timed_out = res.timed_out
+        # direct: only the pages Redis accepted (a refused or skipped SET wrote nothing)
+        rep.pages_written = rep.host_pages_written + (_accepted(first) - puts0 if direct else 0)
     except Exception as e:  # a shutdown must go on whatever the tiers do
         logger.warning("flushing the cache to %s failed: %r", SHARED_TIER, e)
     rep.seconds = round(time.monotonic() - t0, 3)

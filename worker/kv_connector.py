@@ -221,10 +221,11 @@ class KVConnector:
         if self.offloader.num_fetching:
             self.offloader.wait_for_fetch(timeout)
 
-    def drain(self) -> None:
-        """Return once every page spilled so far is in the store."""
+    def drain(self, timeout: float = 30.0) -> None:
+        """Return once every page spilled so far is in the store (TimeoutError after
+        ``timeout`` seconds)."""
         self.save_evicted()
-        self.offloader.drain()
+        self.offloader.drain(timeout)
 
     def host_tier(self) -> HostTier | None:
         tiers = self.store.tiers if self.store is not None else []

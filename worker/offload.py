@@ -161,8 +161,9 @@ class KVOffloader:
                 self._backlog -= self._staging.pages_per_buffer
 
     def drain(self, timeout: float = 30.0) -> None:
-        """Wait until every spill handed over so far is in the store (tests, shutdown)."""
-        self._spill_pool.submit(lambda: None).result(timeout)
+        """Wait until every spill handed over so far is in the store (tests, shutdown);
+        ``TimeoutError`` after ``timeout`` seconds (the spills go on)."""
+        self._spill_pool.submit(lambda: None).result(max(0.0, timeout))
 
     # ------------------------------------------------------------ fetch
 

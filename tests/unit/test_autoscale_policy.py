@@ -128,14 +128,47 @@ def test_ttft_slo_scales_up_and_blocks_scale_down():
     )
     clock = Clock()
     p = ScalingPolicy(cfg, clock)
-    (d,) = run(p, clock, lambda t: Signals(workers=1, ttft_p99_s=3.0), 10.0)
+    (d,) = run(p, clock, lambda t: Signals(workers=1, ttft_p99_s=3.0, ttft_requests=50), 10.0)
     assert d.action == UP and "ttft p99" in d.reason
     # idle otherwise, but TTFT p99 above half the SLO: no scale-down
-    assert run(p, clock, lambda t: Signals(workers=2, ttft_p99_s=0.8), 600.0) == []
+    slowish = lambda t: Signals(workers=2, ttft_p99_s=0.8, ttft_requests=50)  # noqa: E731
+    assert run(p, clock, slowish, 600.0) == []
     # once the look-back window (30 s) has forgotten the slow ones, and after the delay
-    fast = lambda t: Signals(workers=2, ttft_p99_s=0.2)  # noqa: E731
+    fast = lambda t: Signals(workers=2, ttft_p99_s=0.2, ttft_requests=50)  # noqa: E731
     assert run(p, clock, fast, 20) == []
     assert run(p, clock, fast, 30)[0].action == DOWN
+
+
+def test_one_slow_request_never_scales_up():
+    """The TTFT p99 of a window holding fewer than ttft_min_requests first tokens is not
+    judged, and a sample with no request counts as under the SLO."""
+    cfg = AutoscaleConfig(
+        min_workers=1, max_workers=4, upscale_delay_s=30, look_back_s=30, ttft_slo_s=2.0
+    )
+    clock = Clock()
+    p = ScalingPolicy(cfg, clock)
+    # one request with TTFT 5 s: the router's p99 is 5 s for 30 s, then None
+    one = lambda t: Signals(  # noqa: E731
+        workers=1,
+        ttft_p99_s=5.0 if t < 1030 else None,
+        ttft_requests=1 if t < 1030 else 0,
+    )
+    assert run(p, clock, one, 120.0) == []
+    # the same p99 over a full window scales up
+    clock2 = Clock()
+    p2 = ScalingPolicy(cfg, clock2)
+    many = lambda t: Signals(workers=1, ttft_p99_s=5.0, ttft_requests=40)  # noqa: E731
+    (d,) = run(p2, clock2, many, 40.0)
+    assert d.action == UP and "ttft p99" in d.reason
+    # quiet samples (no request) pull the mean down rather than being skipped
+    clock3 = Clock()
+    p3 = ScalingPolicy(cfg, clock3)
+    burst = lambda t: Signals(  # noqa: E731
+        workers=1,
+        ttft_p99_s=3.0 if int(t) % 10 == 0 else None,
+        ttft_requests=25,
+    )
+    assert run(p3, clock3, burst, 120.0) == []
 
 
 @pytest.mark.parametrize(
@@ -147,6 +180,7 @@ def test_ttft_slo_scales_up_and_blocks_scale_down():
         ({"waiting_low": 3, "waiting_high": 2}, "waiting_low"),
         ({"ttft_slo_s": 0}, "ttft_slo_s"),
         ({"interval_s": 0}, "interval_s"),
+        ({"ttft_min_requests": 0}, "ttft_min_requests"),
     ],
 )
 def test_bad_config_names_the_problem(kw, msg):
@@ -189,13 +223,13 @@ def test_the_worker_with_the_least_unique_pages_is_retired():
             }
         )
     view = core.autoscale_view()
-    assert {w: v["unique_pages"] for w, v in view["workers"].items()} == {
-        "w0": 40,
-        "w1": 3,
-        "w2": 12,
-    }
-    wid, why = choose_worker_to_retire(view["workers"])
-    assert wid == "w1" and "fewest unique pages (3" in why
+    # the per-second sample carries no unique-page count (it walks the index)
+    assert all("unique_pages" not in v for v in view["workers"].values())
+    cand = core.retire_candidate()
+    assert cand["worker_id"] == "w1" and cand["name"] == "w1"
+    assert "fewest unique pages (3; others {'w0': 40, 'w2': 12})" in cand["why"]
+    core.begin_retire("w1")  # a draining worker is no candidate
+    assert core.retire_candidate()["worker_id"] == "w2"
     # ties go to the one with fewer requests in flight
     tie = {"a": {"unique_pages": 0, "in_flight": 2}, "b": {"unique_pages": 0, "in_flight": 1}}
     assert choose_worker_to_retire(tie)[0] == "b"
@@ -263,3 +297,193 @@ def test_serve_flags_make_the_autoscale_config():
         _serve("--min-workers 3 --max-workers 2")
     with pytest.raises(ValueError, match="flush_timeout_s"):
         _serve("--flush-timeout -1")
+
+
+# ---------------------------------------------------------------- sticky retirement
+
+
+def _reg(core: RouterCore, wid: str, **extra) -> None:
+    core.register(
+        {"worker_id": wid, "name": wid, "address": f"{wid}:1", "model_fp": "fp",
+         "block_size": 16, "next_seq": 0, "pages": {}, **extra}
+    )  # fmt: skip
+
+
+def test_a_retiring_worker_stays_out_of_routing_until_its_own_unregister():
+    core = RouterCore(model_fp="fp")
+    _reg(core, "a")
+    _reg(core, "b")
+    assert core.begin_retire("a")
+    # its server stopped after the drain timeout: the router drops it on a failed call
+    core.remove_worker("a", "Generate failed: UNAVAILABLE")
+    # and its publisher (or a late registration) brings it back: still draining
+    _reg(core, "a")
+    assert core.autoscale_view()["draining"] == ["a"]
+    probe = [bytes([7, i]) for i in range(4)]
+    assert {core.assign(f"r{i}", list(range(64)), probe).worker_id for i in range(20)} == {"b"}
+    # a restarted router learns it from the registration itself
+    fresh = RouterCore(model_fp="fp")
+    _reg(fresh, "a", draining=True)
+    _reg(fresh, "b")
+    assert (
+        fresh.autoscale_view()["draining"] == ["a"] and "a" not in fresh.autoscale_view()["workers"]
+    )
+    # the retire's own unregister clears the mark
+    core.remove_worker("a", "retired by the autoscaler", keep_redis=True, retired=True)
+    assert core.draining == set()
+
+
+# ---------------------------------------------------------------- the controller, faked
+
+
+class _Ref:
+    def __init__(self, v) -> None:
+        self.v = v
+
+
+class _Method:
+    def __init__(self, f) -> None:
+        self.f = f
+
+    def remote(self, *a):
+        return _Ref(self.f(*a))
+
+
+def test_a_worker_dead_for_good_leaves_the_count_and_min_workers_is_restored(monkeypatch):
+    """Ray reports kvmesh-worker-1 DEAD (restarts used up): the controller must not count
+    it as pending for ever, but forget it and start a replacement to restore min_workers."""
+    import sys
+    import types
+
+    from kvmesh.cluster.autoscale import Autoscaler
+    from kvmesh.cluster.serve import Cluster, ClusterConfig
+
+    fake_ray = types.SimpleNamespace(get=lambda r, timeout=None: r.v, kill=lambda *a, **k: None)
+    monkeypatch.setitem(sys.modules, "ray", fake_ray)
+    view = {
+        "workers": {"w0": {"name": "kvmesh-worker-0", "in_flight": 0}},
+        "draining": [], "waiting": 0, "running": 0, "queued_prefill_tokens": 0,
+        "kv_usage": 0.0, "ttft_p99_s": None, "ttft_requests": 0,
+    }  # fmt: skip
+    router = types.SimpleNamespace(
+        autoscale_view=_Method(lambda lb: view), record_scaling=_Method(lambda d: None)
+    )
+    cfg = AutoscaleConfig(min_workers=2, max_workers=4, upscale_delay_s=1, look_back_s=1)
+    h0, h1 = object(), object()
+
+    class FakeCluster(Cluster):
+        def actor_state(self, handle):
+            return "DEAD" if handle is h1 else "ALIVE"
+
+    cl = FakeCluster(ClusterConfig(workers=2, autoscale=cfg), router, [h0, h1], "x:1")
+    cl._spawn = lambda name: object()
+    a = Autoscaler(cl, cfg)
+    d = a.step()
+    assert cl.worker_names == ["kvmesh-worker-0"] and cl.workers == [h0]
+    assert d is not None and d.action == UP and d.cause == "min_workers"
+    assert d.worker == "kvmesh-worker-2"
+    # the replacement, starting, counts as pending: no second start
+    assert a.step() is None
+
+
+def test_add_worker_after_shutdown_began_starts_nothing(monkeypatch):
+    import ray
+
+    from kvmesh.cluster.serve import Cluster, ClusterConfig
+
+    started = []
+    cl = Cluster(ClusterConfig(workers=1), object(), [object()], "x:1")
+    cl._spawn = lambda name: started.append(name) or object()
+    assert cl.add_worker() == "kvmesh-worker-1"
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    cl.shutdown()
+    assert cl.add_worker() is None and started == ["kvmesh-worker-1"]
+
+
+def test_workers_and_autoscale_given_together_must_agree():
+    from kvmesh.cluster.serve import ClusterConfig
+
+    bounds = AutoscaleConfig(min_workers=1, max_workers=4)
+    with pytest.raises(ValueError, match=r"workers=3 conflicts with autoscale \(min_workers=1"):
+        ClusterConfig(workers=3, autoscale=bounds)
+    assert ClusterConfig(autoscale=bounds).workers == 1
+    assert ClusterConfig(workers=1, autoscale=bounds).workers == 1
+    assert ClusterConfig().workers == 2
+    # the CLI's --workers default is no explicit choice
+    cfg = _serve("--max-workers 4")
+    assert (cfg.workers, cfg.autoscale.min_workers, cfg.autoscale.max_workers) == (1, 1, 4)
+
+
+def test_start_asks_a_worker_unavailable_for_now_again(monkeypatch):
+    import time
+
+    import ray
+    from ray.exceptions import ActorUnavailableError
+
+    from kvmesh.cluster.serve import _wait_ready
+
+    answers = {"w": [ActorUnavailableError("restarting", None), None]}
+
+    class W:
+        class ready:  # noqa: N801
+            @staticmethod
+            def remote():
+                return answers["w"].pop(0)
+
+    def get(ref, timeout=None):
+        if isinstance(ref, Exception):
+            raise ref
+        return ref
+
+    monkeypatch.setattr(ray, "get", get)
+    monkeypatch.setattr(time, "sleep", lambda s: None)
+    _wait_ready([W()], time.monotonic() + 30)
+    assert answers["w"] == []
+    # past the deadline the error is raised
+    answers["w"] = [ActorUnavailableError("restarting", None)] * 3
+    with pytest.raises(ActorUnavailableError):
+        _wait_ready([W()], time.monotonic() - 1)
+
+
+def test_a_retiring_workers_publisher_never_registers_again(monkeypatch):
+    """Registered, then retiring, then the router answers ``unknown`` (it dropped the
+    worker when its server stopped): the publisher waits instead of registering again as
+    an ordinary worker."""
+    import sys
+    import threading
+    import types
+
+    import kvmesh.cluster.actors as actors
+    from kvmesh.cluster.actors import WorkerActor
+
+    fake_ray = types.SimpleNamespace(get=lambda r, timeout=None: r.v)
+    monkeypatch.setitem(sys.modules, "ray", fake_ray)
+    monkeypatch.setattr(actors, "ray", fake_ray)
+    registered, published = [], []
+    stop = threading.Event()
+    fake = types.SimpleNamespace()
+
+    def publish(wid, rows, load):
+        published.append(wid)
+        fake._retiring = True  # retire() began
+        return {"router_id": "r1", "status": "unknown"}
+
+    fake.__dict__.update(
+        _stop=stop,
+        _retiring=False,
+        _router_id=None,
+        router=types.SimpleNamespace(publish=_Method(publish)),
+        worker_id="w",
+        _load={},
+        call_timeout_s=1.0,
+        report_interval_s=0.01,
+        events=types.SimpleNamespace(take=lambda: ([], False)),
+        aeng=types.SimpleNamespace(request_finished=threading.Event(), last_stats=None),
+        _register=lambda: registered.append(1) or {"router_id": "r1", "status": "ok"},
+    )
+    t = threading.Thread(target=WorkerActor._publish_loop, args=(fake,), daemon=True)
+    t.start()
+    threading.Timer(0.5, stop.set).start()
+    t.join(5)
+    assert not t.is_alive()
+    assert published == ["w"] and registered == [1]

@@ -354,6 +354,32 @@ def test_kvmesh_command_line_parses_and_ports_match(rendered, overlay, tmp_path)
         assert "secret" in vols[volume], f"{flag} {path} is not in a Secret volume"
 
 
+def _cpus(q: str) -> float:
+    return float(q[:-1]) / 1000 if str(q).endswith("m") else float(q)
+
+
+@pytest.mark.parametrize("target", ["base", *OVERLAYS])
+def test_one_worker_per_pod_and_the_head_outlasts_its_shutdown(rendered, target, tmp_path):
+    """A CPU-only worker pod fits exactly one worker actor (two would share the pod's fixed
+    KVMESH_WORKER_METRICS_PORT, and Ray's autoscaler would pack them), and the head's
+    termination grace covers a retirement in progress (drain + flush), the router's drain
+    and the workers' flush on SIGTERM."""
+    docs = render(K8S / "base") if target == "base" else rendered[target]
+    rc, head, (group,) = _head_and_workers(docs)
+    _, cfg, _ = _parse_serve(head, tmp_path)
+    limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+    if not int(limits.get("nvidia.com/gpu", 0)):
+        pod = _cpus(limits["cpu"])
+        assert cfg.worker_cpus <= pod < 2 * cfg.worker_cpus, (
+            f"{target}: a {pod}-CPU worker pod fits {pod // cfg.worker_cpus:.0f} worker actors "
+            f"of --worker-cpus {cfg.worker_cpus}; it must fit exactly one"
+        )
+    grace = rc["spec"]["headGroupSpec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    a = cfg.autoscale
+    need = a.drain_timeout_s + a.flush_timeout_s + cfg.grace_s + cfg.flush_timeout_s + 10
+    assert grace >= need, f"{target}: head terminationGracePeriodSeconds {grace} < {need}"
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_secrets_are_referenced_never_inlined(rendered, overlay):
     docs = rendered[overlay]
@@ -498,3 +524,22 @@ def test_worker_metrics_port_env(monkeypatch):
         monkeypatch.setenv("KVMESH_WORKER_METRICS_PORT", bad)
         with pytest.raises(ValueError, match="KVMESH_WORKER_METRICS_PORT"):
             envs.worker_metrics_port()
+
+
+def test_a_taken_worker_metrics_port_falls_back_with_a_warning(monkeypatch, caplog):
+    """Two worker actors on one host cannot both bind the fixed port: the second serves
+    /metrics on a free port and says why, naming the variable."""
+    import socket
+
+    from kvmesh.cluster.actors import metrics_port_for
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        monkeypatch.setenv("KVMESH_WORKER_METRICS_PORT", str(port))
+        with caplog.at_level("WARNING", logger="kvmesh"):
+            assert metrics_port_for("127.0.0.1") == 0
+        assert "KVMESH_WORKER_METRICS_PORT" in caplog.text
+    # free again: the fixed port is used
+    assert metrics_port_for("127.0.0.1") == port
