@@ -23,9 +23,15 @@ also runs through the real engine on SmolLM2, with ``auto`` as the baseline in t
 * decode throughput: ``--decode-prompts`` prompts of 128 tokens, ``--decode-tokens`` greedy
   output tokens each, submitted together; output tokens/s and the ratio to ``auto``.
 
+The ``mla`` section (``bench/kv_formats_mla.py``; ``--no-mla`` skips it, ``--mla-only`` runs
+only it) covers DeepSeek-style latent pages: bytes per token and tokens per GiB against a GQA
+model of similar size, decode tokens/s of the latent path against a naive expand-K/V path,
+and how far fp16/bf16 and fake-quantized int8/fp8 latent pages move a random model's
+outputs from fp32 pages.
+
 Prints one JSON object on stdout; progress goes to stderr.
 
-    python bench/kv_formats.py [--ppl-windows 8] [--no-engine]
+    python bench/kv_formats.py [--ppl-windows 8] [--no-engine] [--mla-only]
 
 ``bench/kv_fake_quant.py`` is the fast companion: perplexity of int4 designs fake-quantized
 inside transformers' attention, for ablations and the plain KIVI reference.
@@ -127,7 +133,19 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--decode-prompts", type=int, default=16)
     ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--no-mla", dest="mla", action="store_false")
+    ap.add_argument("--mla-only", action="store_true", help="only the MLA section")
+    ap.add_argument("--mla-prompts", type=int, default=8)
+    ap.add_argument("--mla-prompt-len", type=int, default=512)
+    ap.add_argument("--mla-tokens", type=int, default=32)
+    ap.add_argument("--mla-windows", type=int, default=8)
     args = ap.parse_args()
+    if args.mla_only:
+        from kv_formats_mla import mla_rows
+
+        out = {"mla": mla_rows(args), "machine": machine_info()}
+        print(json.dumps(out, indent=2))
+        return
     engine_threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     L, H, D, bs, n = args.layers, args.kv_heads, args.head_size, args.block_size, args.pages
@@ -171,6 +189,10 @@ def main() -> None:
     if args.engine:
         torch.set_num_threads(engine_threads)  # the engine runs as users run it
         out["engine"] = engine_rows(args)
+    if args.mla:
+        from kv_formats_mla import mla_rows
+
+        out["mla"] = mla_rows(args)
     out["machine"] = machine_info()  # CPU model and SIMD flags
     print(json.dumps(out, indent=2))
 

@@ -107,6 +107,17 @@ def make_prompts(encode, text: str, num: int, tokens: int, seed: int) -> list[li
 # ---------------------------------------------------------------- kvmesh
 
 
+def set_gemm_mode(mode: str | None) -> None:
+    """Run the next engine's linear layers with GEMM mode ``mode`` (``kernels.autotune``):
+    a fresh process tuner, so each mode is timed in this one run."""
+    if mode is None:
+        return
+    from kvmesh.kernels import autotune
+
+    os.environ["KVMESH_GEMM"] = mode
+    autotune._default = None
+
+
 def run_kvmesh(args, text: str) -> tuple[dict, list[list[int]], list[list[int]]]:
     from kvmesh.worker import LLM, SamplingParams
 
@@ -205,15 +216,56 @@ def run_kvmesh(args, text: str) -> tuple[dict, list[list[int]], list[list[int]]]
         # the metrics' own CPU time (engine-thread hook + 1 s scrapes) as a share of the
         # process's CPU time in each metrics-on run
         result["metrics_cpu_share_pct"] = [round(100 * x, 3) for x in shares]
-        log(f"kvmesh: metrics on costs {result['metrics_overhead_pct']}% of throughput")
+        if "metrics_overhead_pct" in result:
+            log(f"kvmesh: metrics on costs {result['metrics_overhead_pct']}% of throughput")
     log(
         f"kvmesh: {result['kvmesh_out_tok_s']} out tok/s, "
         f"ttft p50 {result['kvmesh_ttft_p50_s']}s p99 {result['kvmesh_ttft_p99_s']}s"
     )
+    if args.ttft_tokens:
+        result.update(kvmesh_ttft(llm, text, args.ttft_tokens))
     token_ids = [list(o.token_ids) for o in outs]
     del llm, eng, outs
     gc.collect()
     return result, prompts, token_ids
+
+
+def ttft_prompts(encode, text: str, tokens: int) -> list[list[int]]:
+    """Two ``tokens``-token prompts from the middle and the end of ``text`` (no shared prefix
+    with each other or the throughput prompts' starts)."""
+    out = []
+    for start in (len(text) // 2, len(text) - 16 * tokens):
+        start = text.find("\n", max(start, 0)) + 1
+        ids = encode(text[start : start + 16 * tokens])
+        if len(ids) < tokens:
+            raise ValueError(f"the text has too few tokens for a {tokens}-token TTFT prompt")
+        out.append(ids[:tokens])
+    return out
+
+
+def kvmesh_ttft(llm, text: str, tokens: int) -> dict:
+    """Time to first token of each TTFT prompt cold (prefix cache empty), then on a prefix hit
+    (the same prompt again: every full page cached, the last token's step computed)."""
+    from kvmesh.worker import SamplingParams
+
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    cold, hit = [], []
+    prompts = ttft_prompts(llm.tokenizer.encode, text, tokens)
+    for p in prompts:
+        llm.reset_prefix_cache()
+        t0 = time.monotonic()
+        llm.generate([p], one)
+        cold.append(round(time.monotonic() - t0, 4))
+        t0 = time.monotonic()
+        llm.generate([p], one)
+        hit.append(round(time.monotonic() - t0, 4))
+    log(f"kvmesh: {tokens}-token TTFT cold {cold} s, on a hit {hit} s")
+    return {
+        "kvmesh_ttft_cold_s": cold,
+        "kvmesh_ttft_hit_s": hit,
+        "ttft_prompt_tokens": tokens,
+        "_ttft_prompts": prompts,  # the same token ids go to vLLM; not printed
+    }
 
 
 class _TimedHook:
@@ -381,6 +433,16 @@ def main():
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.monotonic() - t0
     token_ids = [list(o.outputs[0].token_ids) for o in outs]
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    cold, hit = [], []
+    for p in spec["ttft_prompts"]:
+        llm.reset_prefix_cache()
+        t = time.monotonic()
+        llm.generate([{"prompt_token_ids": p}], one, use_tqdm=False)
+        cold.append(round(time.monotonic() - t, 4))
+        t = time.monotonic()
+        llm.generate([{"prompt_token_ids": p}], one, use_tqdm=False)
+        hit.append(round(time.monotonic() - t, 4))
     import torch
     model_config = getattr(llm.llm_engine, "model_config", None)
     result = {
@@ -388,6 +450,8 @@ def main():
         "out_tokens": sum(map(len, token_ids)),
         "token_ids": token_ids,
         "vllm_version": vllm.__version__,
+        "ttft_cold_s": cold,
+        "ttft_hit_s": hit,
         "torch_version": torch.__version__,
         "dtype": str(getattr(model_config, "dtype", spec["dtype"])).replace("torch.", ""),
     }
@@ -423,13 +487,16 @@ def export_hf_folder(src, hf_model, tok, out_dir: Path) -> Path:
     return out_dir
 
 
-def run_vllm(args, prompts, model_dir: Path, kvmesh_cfg: dict) -> tuple[dict, list[list[int]]]:
+def run_vllm(
+    args, prompts, model_dir: Path, kvmesh_cfg: dict, ttft: list[list[int]]
+) -> tuple[dict, list[list[int]]]:
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-vllm-") as tmp:
         script = Path(tmp) / "run_vllm.py"
         script.write_text(VLLM_SCRIPT)
         spec_path = Path(tmp) / "spec.json"
         result_path = Path(tmp) / "result.json"
         longest = max(map(len, prompts)) + args.max_tokens
+        longest = max(longest, (args.ttft_tokens or 0) + 1)
         spec = {
             "model_dir": str(model_dir),
             "dtype": args.vllm_dtype,
@@ -438,11 +505,15 @@ def run_vllm(args, prompts, model_dir: Path, kvmesh_cfg: dict) -> tuple[dict, li
             "max_num_batched_tokens": kvmesh_cfg["max_num_batched_tokens"],
             "max_tokens": args.max_tokens,
             "prompts": prompts,
+            "ttft_prompts": ttft,
             "result_path": str(result_path),
         }
         spec_path.write_text(json.dumps(spec))
         env = dict(os.environ)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB
+        # every core, as kvmesh runs: vLLM's default reserves one for its frontend
+        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
         env.setdefault("VLLM_TARGET_DEVICE", "cpu")
         log(f"vllm: running {args.vllm_python} on {model_dir} ({args.vllm_dtype}) ...")
         t0 = time.monotonic()
@@ -475,6 +546,8 @@ def run_vllm(args, prompts, model_dir: Path, kvmesh_cfg: dict) -> tuple[dict, li
     result = {
         "vllm_elapsed_s": round(r["elapsed_s"], 3),
         "vllm_out_tok_s": round(r["out_tokens"] / r["elapsed_s"], 2),
+        "vllm_ttft_cold_s": r["ttft_cold_s"],
+        "vllm_ttft_hit_s": r["ttft_hit_s"],
         "vllm": {
             "python": args.vllm_python,
             "version": r["vllm_version"],
@@ -522,6 +595,19 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="the engine's Prometheus metrics; compare: runs take turns off and on (scraped "
         "every second) and the JSON has both throughputs and metrics_overhead_pct",
     )
+    p.add_argument(
+        "--gemm-modes",
+        default=None,
+        help="comma-separated KVMESH_GEMM modes (e.g. legacy,auto): kvmesh runs once per mode "
+        "in this run; the last is the reported kvmesh row, the others get kvmesh_gemm_* rows",
+    )
+    p.add_argument(
+        "--ttft-tokens",
+        type=int,
+        default=2048,
+        help="two prompts of this many tokens: TTFT cold and on a prefix hit, kvmesh and vLLM "
+        "(0 skips)",
+    )
     p.add_argument("--vllm-python", default=None, help="python of a virtualenv with vllm-cpu")
     p.add_argument("--vllm-dtype", default="float32")
     p.add_argument("--vllm-export-dir", type=Path, default=None, help="HF folder for vLLM")
@@ -544,7 +630,23 @@ def main(argv=None) -> None:
     text = args.text.read_text(encoding="utf-8")
 
     result: dict = {}
+    modes = args.gemm_modes.split(",") if args.gemm_modes else [None]
+    gemm_rows = {}
+    for mode in modes[:-1]:
+        set_gemm_mode(mode)
+        other, _, other_tokens = run_kvmesh(args, text)
+        gemm_rows[mode] = (other, other_tokens)
+        gc.collect()
+    set_gemm_mode(modes[-1])
     kv, prompts, kv_tokens = run_kvmesh(args, text)
+    result["kvmesh_gemm_mode"] = os.environ.get("KVMESH_GEMM", "exact")
+    for mode, (other, other_tokens) in gemm_rows.items():
+        result[f"kvmesh_gemm_{mode}_out_tok_s"] = other["kvmesh_out_tok_s"]
+        result[f"kvmesh_gemm_{mode}_elapsed_all_s"] = other["kvmesh_elapsed_all_s"]
+        result[f"ratio_gemm_{modes[-1]}_vs_{mode}"] = round(
+            kv["kvmesh_out_tok_s"] / other["kvmesh_out_tok_s"], 3
+        )
+        result[f"kvmesh_gemm_{mode}_same_tokens"] = agreement(kv_tokens, other_tokens)[0]
     lengths = list(map(len, prompts))
     result["workload"] = {
         "model": args.model,
@@ -567,6 +669,7 @@ def main(argv=None) -> None:
         result["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
         result["bench_wall_s"] = round(time.monotonic() - t_start, 1)
         result["machine"] = machine_info()
+        result.pop("_ttft_prompts", None)
         print(json.dumps(result, indent=2))
         return
     src, hf_model, tok = load_hf(args.model)
@@ -600,8 +703,15 @@ def main(argv=None) -> None:
         log(f"vllm: HF folder ready at {model_dir} in {time.monotonic() - t:.1f}s")
         del hf_model
         gc.collect()
-        vl, vl_tokens = run_vllm(args, prompts, model_dir, kv["kvmesh_engine"])
+        ttft = kv.get("_ttft_prompts", [])
+        vl, vl_tokens = run_vllm(args, prompts, model_dir, kv["kvmesh_engine"], ttft)
         result.update(vl)
+        if ttft:
+            for kind in ("cold", "hit"):
+                ours, theirs = kv[f"kvmesh_ttft_{kind}_s"], vl[f"vllm_ttft_{kind}_s"]
+                result[f"ttft_{kind}_ratio_kvmesh_vs_vllm"] = [
+                    round(a / b, 3) for a, b in zip(ours, theirs)
+                ]
         result["ratio_vs_vllm"] = round(kv["kvmesh_out_tok_s"] / vl["vllm_out_tok_s"], 3)
         same, prefix = agreement(kv_tokens, vl_tokens)
         result["vllm_matches_kvmesh"] = same
@@ -611,6 +721,7 @@ def main(argv=None) -> None:
     result["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
     result["bench_wall_s"] = round(time.monotonic() - t_start, 1)
     result["machine"] = machine_info()  # CPU model and SIMD flags
+    result.pop("_ttft_prompts", None)
     print(json.dumps(result, indent=2))
 
 

@@ -142,6 +142,7 @@ def bench_conversations(args, text: str) -> dict:
         kv_cache_memory=args.device_memory,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     results = {}
     for name, extra in (("tiers", {"host_cache_memory": args.host_memory}), ("device_only", {})):
@@ -157,6 +158,7 @@ def bench_conversations(args, text: str) -> dict:
     return {
         "conversations": args.conversations,
         "turns": args.turns,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "turn_tokens": args.turn_tokens,
         "output_tokens": args.output_tokens,
         "context_tokens": args.context_tokens,
@@ -190,6 +192,11 @@ def main() -> None:
     ap.add_argument("--host-memory", default="4GiB")
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    ap.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="the multi-turn workload's KV cache format (e.g. int4; compare with a run of auto)",
+    )
     ap.add_argument("--redis-url", default=None)
     ap.add_argument("--skip", default="", help="comma list of: ttft, conversations, redis")
     args = ap.parse_args()

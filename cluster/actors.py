@@ -111,6 +111,7 @@ class WorkerActor:
     ) -> None:
         import torch
 
+        from kvmesh.worker import envs
         from kvmesh.worker.async_engine import AsyncEngine
         from kvmesh.worker.engine import LLMEngine
         from kvmesh.worker.server import WorkerServer
@@ -151,7 +152,7 @@ class WorkerActor:
             self.aeng,
             host=ip,
             grace_s=grace_s,
-            metrics_port=0 if metrics else None,
+            metrics_port=envs.worker_metrics_port() if metrics else None,
             identity=identity,
             tokens=tokens,
             server_credentials=tls.server_credentials() if tls is not None and tls.serves else None,
@@ -195,9 +196,12 @@ class WorkerActor:
 
         return self.aeng.call(LLMEngine.reset_prefix_cache, timeout=120)
 
-    def shutdown(self, grace: float = 10.0) -> None:
-        """Leave the router, drain the gRPC server for up to ``grace`` seconds, stop the
-        engine. The caller then kills the actor."""
+    def shutdown(self, grace: float = 10.0, flush_timeout_s: float = 10.0) -> None:
+        """Leave the router, drain the gRPC server for up to ``grace`` seconds, write the
+        cache down to Redis (if configured; at most ``flush_timeout_s``, worker/flush.py),
+        stop the engine. The caller then kills the actor."""
+        from kvmesh.worker.flush import flush_to_shared
+
         self._stop.set()
         try:
             router = self.router or ray.get_actor(self.router_name)
@@ -206,7 +210,70 @@ class WorkerActor:
             logger.info("unregister from the router failed: %r", e)
         self.server.stop_in_thread(grace=grace, timeout=grace + 30)
         self.aeng.shutdown()
+        if flush_timeout_s > 0:
+            flush_to_shared(self.aeng.engine, flush_timeout_s)
         self.aeng.engine.close()
+
+    def retire(
+        self, drain_timeout_s: float = 30.0, flush_timeout_s: float = 30.0, preserve: bool = True
+    ) -> dict:
+        """Leave the cluster for good, keeping the cache (cluster/autoscale.py). The router
+        already routes nothing new here (``begin_retire``). Waits for the requests in flight
+        (at most ``drain_timeout_s``), stops serving, writes the device and host pages down
+        to Redis (``preserve``; at most ``flush_timeout_s``), reports those pages to the
+        router in one last publish, and leaves the router, which keeps them credited. The
+        caller then kills the actor. Returns the flush report plus ``drained`` (whether
+        every request finished in time) and ``seconds``."""
+        from kvmesh.worker.engine import LLMEngine
+        from kvmesh.worker.flush import flush_to_shared
+
+        t0 = time.monotonic()
+        deadline = t0 + drain_timeout_s
+        busy = True
+        while True:
+            try:
+                busy = self.aeng.call(LLMEngine.has_unfinished_requests, timeout=30)
+            except Exception as e:  # the engine is gone: nothing to wait for
+                logger.warning("retire: engine check failed: %r", e)
+                busy = False
+            if not busy or time.monotonic() >= deadline:
+                break
+            time.sleep(0.1)
+        # what still runs past the bound is cancelled (the router routes it again when
+        # nothing was streamed yet)
+        self.server.stop_in_thread(grace=0.5, timeout=30)
+        report: dict = {}
+        if preserve:
+            rep = self.aeng.call(
+                lambda e: flush_to_shared(e, flush_timeout_s), timeout=flush_timeout_s + 60
+            )
+            report = rep.as_dict()
+        # the publisher stops; its last batch (the flushed pages) goes from here, in order
+        self._stop.set()
+        for t in self._threads:
+            t.join(self.call_timeout_s + 2)
+        router = self.router or ray.get_actor(self.router_name)
+        rows, overflowed = self.events.take()
+        try:
+            if not overflowed:
+                ray.get(
+                    router.publish.remote(self.worker_id, rows, self._load),
+                    timeout=self.call_timeout_s,
+                )
+        except Exception as e:  # under-credit at worst: the pages are in Redis anyway
+            logger.warning("retire: the last publish failed: %r", e)
+        try:
+            ray.get(
+                router.unregister.remote(self.worker_id, "retired by the autoscaler", preserve),
+                timeout=30,
+            )
+        except Exception as e:
+            logger.warning("retire: unregister failed: %r", e)
+        self.aeng.shutdown()
+        self.aeng.engine.close()
+        report.update(drained=not busy, seconds=round(time.monotonic() - t0, 3))
+        logger.info("worker %s retired: %s", self.worker_id, report)
+        return report
 
     # ------------------------------------------------------------ threads
 
@@ -401,10 +468,31 @@ class RouterActor:
     def publish(self, worker_id: str, rows: list, load: dict) -> dict:
         return self.server.call(self.core.publish, worker_id, rows, load)
 
-    def unregister(self, worker_id: str, reason: str = "unregistered") -> bool:
+    def unregister(
+        self, worker_id: str, reason: str = "unregistered", keep_redis: bool = False
+    ) -> bool:
         with self._lock:
             self._handles.pop(worker_id, None)
-        return self.server.call(self.core.remove_worker, worker_id, reason)
+        return self.server.call(
+            lambda: self.core.remove_worker(worker_id, reason, keep_redis=keep_redis)
+        )
+
+    # ------------------------------------------------------------ autoscaling
+
+    def autoscale_view(self, look_back_s: float = 30.0) -> dict:
+        return self.server.call(self.core.autoscale_view, look_back_s)
+
+    def begin_retire(self, worker_id: str) -> bool:
+        return self.server.call(self.core.begin_retire, worker_id)
+
+    def record_scaling(self, decision: dict) -> None:
+        self.server.call(self.core.record_scaling, decision)
+
+    def set_autoscale_config(self, cfg: dict | None) -> None:
+        def apply() -> None:
+            self.core.autoscale_config = cfg
+
+        self.server.call(apply)
 
     # ------------------------------------------------------------ operations
 

@@ -237,6 +237,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
 def cmd_worker(a: argparse.Namespace) -> int:
     from kvmesh.worker.server import serve_worker
 
+    if a.flush_timeout < 0:
+        raise ValueError(f"--flush-timeout must be >= 0 seconds, got {a.flush_timeout}")
     security = _security_kwargs(a)
     engine_kwargs = _engine_kwargs(a, security)
     serve_worker(
@@ -246,6 +248,7 @@ def cmd_worker(a: argparse.Namespace) -> int:
         max_message_mb=a.max_message_mb,
         grace_s=a.grace_period,
         max_waiting=a.max_waiting,
+        flush_timeout_s=a.flush_timeout,
         data_plane=False if a.no_data_plane else None,
         data_plane_port=a.data_plane_port,
         http_port=a.http_port,
@@ -370,6 +373,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=10.0,
         help="seconds in-flight streams may finish after SIGTERM/SIGINT",
+    )
+    w.add_argument(
+        "--flush-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on shutdown, write the cached pages down to --redis-url for at most this long "
+        "(0: no flush)",
     )
     w.add_argument("--max-waiting", type=int, default=4096, help="queue size (RESOURCE_EXHAUSTED)")
     w.add_argument(

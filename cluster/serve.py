@@ -25,6 +25,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from kvmesh.cluster.autoscale import AutoscaleConfig
 from kvmesh.protos.security import BearerTokens, ClusterIdentity, TLSConfig
 from kvmesh.protos.serving import DEFAULT_DEADLINE_S
 
@@ -64,10 +65,19 @@ class ClusterConfig:
     tls: TLSConfig | None = None
     tokens: BearerTokens | None = None
     default_deadline_s: float | None = DEFAULT_DEADLINE_S
+    # autoscaling (cluster/autoscale.py, docs/autoscaling.md): with min < max the cluster
+    # starts ``min_workers`` and an Autoscaler adds and retires workers; ``workers`` is then
+    # set to ``min_workers``
+    autoscale: AutoscaleConfig | None = None
+    # on shutdown each worker writes its cache down to Redis (when configured) for at most
+    # this long (worker/flush.py); 0: no flush
+    flush_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         from kvmesh.router.policies import POLICIES
 
+        if self.autoscale is not None:
+            self.workers = self.autoscale.min_workers
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         if self.policy not in POLICIES:
@@ -88,6 +98,8 @@ class ClusterConfig:
             raise ValueError(
                 f"default_deadline_s must be > 0 or None, got {self.default_deadline_s}"
             )
+        if not self.flush_timeout_s >= 0:
+            raise ValueError(f"flush_timeout_s must be >= 0, got {self.flush_timeout_s}")
         if self.prometheus_sd_file and self.metrics_port is None:
             raise ValueError("prometheus_sd_file needs metrics_port (the router's /metrics port)")
 
@@ -109,6 +121,12 @@ class Cluster:
         self.router = router
         self.workers = workers  # actor handles, in slot order
         self.endpoint = endpoint
+        self.worker_names = [f"{cfg.name}-worker-{i}" for i in range(len(workers))]
+        self._next_slot = len(workers)
+        self._spawn = None  # (name) -> actor handle, set by start
+        self._pending: dict[str, tuple[object, float]] = {}  # name -> (handle, started)
+        self._lock = threading.Lock()
+        self.autoscaler = None
 
     @classmethod
     def start(cls, cfg: ClusterConfig, *, timeout_s: float = 600.0) -> Cluster:
@@ -162,15 +180,18 @@ class Cluster:
         try:
             endpoint = ray.get(router.endpoint.remote(), timeout=timeout_s)
             worker_cls = ray.remote(WorkerActor)
-            workers += [
-                worker_cls.options(
-                    name=f"{cfg.name}-worker-{i}",
+
+            def spawn(name: str):
+                # one GPU per worker where the cluster has GPUs: a worker Ray cannot place
+                # stays pending, and Ray's autoscaler adds a node for it
+                return worker_cls.options(
+                    name=name,
                     num_cpus=cfg.worker_cpus,
                     num_gpus=gpus,
                     max_restarts=cfg.max_restarts,
                     max_concurrency=4,  # ping and stats must not wait behind a shutdown
                 ).remote(
-                    f"{cfg.name}-worker-{i}",
+                    name,
                     f"{cfg.name}-router",
                     {"model": model, **cfg.engine_args},
                     num_threads=max(1, int(cfg.worker_cpus)),
@@ -180,17 +201,99 @@ class Cluster:
                     metrics=cfg.metrics_port is not None,
                     **security,
                 )
-                for i in range(cfg.workers)
-            ]
+
+            workers += [spawn(f"{cfg.name}-worker-{i}") for i in range(cfg.workers)]
             cluster = cls(cfg, router, workers, endpoint, identity)
+            cluster._spawn = spawn
             left = max(1.0, deadline - time.monotonic())
             ray.get([w.ready.remote() for w in workers], timeout=left)
             cluster.wait_for_workers(cfg.workers, timeout_s=max(1.0, deadline - time.monotonic()))
+            if cfg.autoscale is not None:
+                ray.get(router.set_autoscale_config.remote(cfg.autoscale.as_dict()), timeout=30)
+                if cfg.autoscale.enabled:
+                    from kvmesh.cluster.autoscale import Autoscaler
+
+                    cluster.autoscaler = Autoscaler(cluster, cfg.autoscale)
+                    cluster.autoscaler.start()
         except BaseException:
             for h in [router, *workers]:
                 ray.kill(h, no_restart=True)
             raise
         return cluster
+
+    # ------------------------------------------------------------ scaling (autoscale.py)
+
+    def add_worker(self) -> str:
+        """Start one more worker actor; returns its name at once (it registers with the
+        router when its engine is up, or stays pending until Ray has room for it)."""
+        with self._lock:
+            name = f"{self.cfg.name}-worker-{self._next_slot}"
+            self._next_slot += 1
+            self._pending[name] = (self._spawn(name), time.monotonic())
+        return name
+
+    def pending_workers(self, live_names: set[str]) -> list[str]:
+        """Names of the workers started but not registered yet; those now registered join
+        ``workers``; one not registered within ``autoscale.start_timeout_s`` is given up."""
+        import ray
+
+        limit = self.cfg.autoscale.start_timeout_s if self.cfg.autoscale else 900.0
+        with self._lock:
+            for name in list(self._pending):
+                handle, started = self._pending[name]
+                if name in live_names:
+                    del self._pending[name]
+                    self.workers.append(handle)
+                    self.worker_names.append(name)
+                elif time.monotonic() - started > limit:
+                    logger.warning("worker %s did not start within %.0fs; giving up", name, limit)
+                    del self._pending[name]
+                    ray.kill(handle, no_restart=True)
+            return sorted(self._pending)
+
+    def cancel_worker(self, name: str) -> None:
+        """Give up a worker still starting."""
+        import ray
+
+        with self._lock:
+            entry = self._pending.pop(name, None)
+        if entry is not None:
+            ray.kill(entry[0], no_restart=True)
+
+    def retire_worker(
+        self,
+        worker_id: str,
+        name: str,
+        *,
+        drain_timeout_s: float = 30.0,
+        flush_timeout_s: float = 30.0,
+        preserve_cache: bool = True,
+    ) -> dict:
+        """Retire one worker: the router stops routing to it, its requests finish (at most
+        ``drain_timeout_s``), it writes its cache down to Redis (``preserve_cache``, at most
+        ``flush_timeout_s``) and leaves the router, then its actor is killed (its node can
+        go). Returns its flush report."""
+        import ray
+
+        with self._lock:
+            i = self.worker_names.index(name)
+            handle = self.workers[i]
+        ray.get(self.router.begin_retire.remote(worker_id), timeout=30)
+        report: dict = {}
+        try:
+            report = ray.get(
+                handle.retire.remote(drain_timeout_s, flush_timeout_s, preserve_cache),
+                timeout=drain_timeout_s + flush_timeout_s + 120,
+            )
+        except Exception as e:  # it died meanwhile: the router drops it as dead anyway
+            logger.warning("retiring %s failed: %r", name, e)
+            ray.get(self.router.unregister.remote(worker_id, f"retired: {e!r}"), timeout=30)
+        with self._lock:
+            if name in self.worker_names:
+                i = self.worker_names.index(name)
+                del self.worker_names[i], self.workers[i]
+        ray.kill(handle, no_restart=True)
+        return report
 
     # ------------------------------------------------------------ operations
 
@@ -254,13 +357,21 @@ class Cluster:
         grace = self.cfg.grace_s if grace is None else grace
         if not ray.is_initialized():
             return
+        if self.autoscaler is not None:
+            self.autoscaler.stop()
+        with self._lock:
+            pending = [h for h, _ in self._pending.values()]
+            self._pending.clear()
+        for h in pending:
+            ray.kill(h, no_restart=True)
         try:
             ray.get(self.router.drain.remote(grace), timeout=grace + 30)
         except Exception as e:
             logger.warning("router drain failed: %r", e)
-        refs = [w.shutdown.remote(min(grace, 2.0)) for w in self.workers]
+        flush = self.cfg.flush_timeout_s
+        refs = [w.shutdown.remote(min(grace, 2.0), flush) for w in self.workers]
         try:
-            ray.get(refs, timeout=grace + 30)
+            ray.get(refs, timeout=grace + flush + 30)
         except Exception as e:
             logger.warning("worker shutdown failed: %r", e)
         for h in [self.router, *self.workers]:
@@ -272,8 +383,10 @@ class Cluster:
 
 def _driver_node():
     """Place the router on the node ``kvmesh serve`` runs on (the head pod on KubeRay), so
-    the endpoint is where the operator expects it; soft, so a restart may go elsewhere if
-    that node is gone."""
+    the endpoint is where the operator expects it. Hard affinity: Ray's soft affinity sent
+    the router to a worker node now and then when the driver's node offers no CPUs (a
+    KubeRay head, tests/integration/test_netns_cluster.py); and the actors die with the
+    driver anyway, so there is no other node for a restart to go to."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -281,7 +394,7 @@ def _driver_node():
         node = ray.get_runtime_context().get_node_id()
     except Exception:  # a client without a node of its own: let Ray choose
         return None
-    return NodeAffinitySchedulingStrategy(node_id=node, soft=True)
+    return NodeAffinitySchedulingStrategy(node_id=node, soft=False)
 
 
 # ---------------------------------------------------------------- the CLI
@@ -294,7 +407,62 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s = subparsers.add_parser(
         "serve", help="run a Ray cluster of workers behind the prefix-aware router"
     )
-    s.add_argument("--workers", type=int, default=2, help="worker actors (one per GPU)")
+    s.add_argument(
+        "--workers",
+        type=int,
+        default=2,
+        help="worker actors (one per GPU); a fixed size, or the default of --max-workers",
+    )
+    a = s.add_argument_group("autoscaling (docs/autoscaling.md)")
+    a.add_argument(
+        "--min-workers",
+        type=int,
+        default=None,
+        help="autoscale between this many workers and --max-workers (default: 1 with "
+        "--max-workers, else --workers)",
+    )
+    a.add_argument(
+        "--max-workers",
+        type=int,
+        default=None,
+        help="autoscale up to this many workers (default: --workers)",
+    )
+    a.add_argument(
+        "--ttft-slo",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="scale up while the router's TTFT p99 stays above this",
+    )
+    a.add_argument("--upscale-delay", type=float, default=30.0, metavar="SECONDS")
+    a.add_argument("--downscale-delay", type=float, default=600.0, metavar="SECONDS")
+    a.add_argument(
+        "--look-back",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="signals are averaged over this window",
+    )
+    a.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="a retired worker's requests in flight get this long to finish",
+    )
+    a.add_argument(
+        "--flush-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="a retired or stopping worker writes its cache down to --redis-url for at most "
+        "this long (0: no flush)",
+    )
+    a.add_argument(
+        "--no-cache-preserving-scale-down",
+        action="store_true",
+        help="retire workers without writing their cache down first (the baseline)",
+    )
     s.add_argument(
         "--policy", default="prefix_affinity", help="prefix_affinity, least_loaded or round_robin"
     )
@@ -362,6 +530,8 @@ def config_from_args(a: argparse.Namespace) -> ClusterConfig:
         engine_args["peers"] = list(a.peer)
     return ClusterConfig(
         workers=a.workers,
+        autoscale=autoscale_from_args(a),
+        flush_timeout_s=a.flush_timeout,
         model=a.model,
         engine_args=engine_args,
         policy=a.policy,
@@ -377,6 +547,27 @@ def config_from_args(a: argparse.Namespace) -> ClusterConfig:
         prometheus_sd_file=a.prometheus_sd_file,
         **cli._security_kwargs(a, serve=True),
         log_level=logging.getLevelName(logging.getLogger("kvmesh").getEffectiveLevel()),
+    )
+
+
+def autoscale_from_args(a: argparse.Namespace) -> AutoscaleConfig:
+    """``--workers N`` alone: min = max = N (a fixed size). ``--max-workers M``: min
+    defaults to 1; ``--min-workers N``: max defaults to max(N, --workers)."""
+    if a.min_workers is None and a.max_workers is None:
+        lo = hi = a.workers
+    else:
+        lo = a.min_workers if a.min_workers is not None else 1
+        hi = a.max_workers if a.max_workers is not None else max(lo, a.workers)
+    return AutoscaleConfig(
+        min_workers=lo,
+        max_workers=hi,
+        ttft_slo_s=a.ttft_slo,
+        upscale_delay_s=a.upscale_delay,
+        downscale_delay_s=a.downscale_delay,
+        look_back_s=a.look_back,
+        drain_timeout_s=a.drain_timeout,
+        flush_timeout_s=a.flush_timeout,
+        preserve_cache=not a.no_cache_preserving_scale_down,
     )
 
 
@@ -400,7 +591,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     import ray
 
     cfg = config_from_args(a)  # bad flags fail before Ray starts
-    need = math.ceil(cfg.workers * cfg.worker_cpus)
+    most = cfg.autoscale.max_workers if cfg.autoscale is not None else cfg.workers
+    need = math.ceil(most * cfg.worker_cpus)
     init_ray(a.address, num_cpus=a.num_cpus or max(need, os.cpu_count() or 1))
     stop = threading.Event()
     signals = []
@@ -415,6 +607,13 @@ def cmd_serve(a: argparse.Namespace) -> int:
     cluster = None
     try:
         print(f"starting {cfg.workers} workers and the router ...", file=sys.stderr, flush=True)
+        if cfg.autoscale is not None and cfg.autoscale.enabled:
+            print(
+                f"autoscaling between {cfg.autoscale.min_workers} and "
+                f"{cfg.autoscale.max_workers} workers",
+                file=sys.stderr,
+                flush=True,
+            )
         cluster = Cluster.start(cfg)
         st = cluster.stats()
         print(f"kvmesh serving on {cluster.endpoint}  (policy {st['policy']})", flush=True)

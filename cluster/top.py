@@ -197,7 +197,36 @@ def render(address: str, router: Samples, rows: list[WorkerRow]):
         d.add_column(col, justify="left" if col in ("policy", "reason") else "right")
     for (pol, reason), v in sorted(decisions.items(), key=lambda kv: -kv[1]):
         d.add_row(pol, reason, f"{v:.0f}", f"{v / n:.0%}" if n else "-")
-    return Group(t, d)
+    return Group(t, d, *autoscale_table(router))
+
+
+def autoscale_table(router: Samples, now: float | None = None) -> list:
+    """The autoscaler's bounds, workers draining and latest decisions with their reasons
+    (an empty list when the router exports none)."""
+    from rich.table import Table
+
+    bounds = {lb.get("bound"): v for lb, v in router.get(P + "autoscale_bounds", ())}
+    last = sorted(router.get(P + "autoscale_decision_info", ()), key=lambda x: -x[1])
+    if not bounds and not last:
+        return []
+    now = time.time() if now is None else now
+    draining = int(total(router, P + "autoscale_draining_workers"))
+    a = Table(
+        title=f"autoscaling {bounds.get('min', 0):.0f}..{bounds.get('max', 0):.0f} workers, "
+        f"{draining} draining"
+    )
+    for col in ("when", "action", "workers", "cause", "worker", "reason"):
+        a.add_column(col, justify="right" if col == "when" else "left")
+    for lb, at in last:
+        a.add_row(
+            f"{max(0.0, now - at):.0f}s ago",
+            lb.get("action", ""),
+            f"{lb.get('from_workers', '')} -> {lb.get('to_workers', '')}",
+            lb.get("cause", ""),
+            lb.get("worker", ""),
+            lb.get("reason", ""),
+        )
+    return [a]
 
 
 def run_top(address: str, interval: float = 1.0, iterations: int = 0) -> int:

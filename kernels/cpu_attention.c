@@ -17,15 +17,26 @@
  * G query heads), folds them into a per-head online softmax, and adds the page's V rows.
  * Each page's K and V rows are consumed while hot, and the next page's rows are prefetched
  * into L2 as the current one is read: pages sit at random places in the pool, so without it
- * the loop waits on memory at every page. With AVX-512 and D a multiple of 16 (up to 256)
- * the math is vectorised by hand; elsewhere a plain two-pass loop runs.
+ * the loop waits on memory at every page. The math is vectorised by hand, chosen at build
+ * time: AVX-512 (16 floats) where the compiler targets it, else AVX2 with FMA and F16C (8
+ * floats), for head sizes a multiple of the width up to 256; elsewhere a scalar loop runs.
+ * Quantized pages: fp8 and int8 (and int4 on scalar builds or head sizes off the vector
+ * width) are dequantized a page at a time into a float scratch (a page of K and V: L1-sized
+ * for small heads, not for large Hkv * D * bs) and run through the same float page step;
+ * int4 on the vector builds folds its scales into q and the softmax weights instead (see the
+ * section at the end).
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+
+#if defined(KVMESH_LIBMVEC)
+/* glibc's vector expf (libmvec), so the softmax's exp loop vectorises (as in cpu_ops.c) */
+__attribute__((simd("notinbranch"))) float expf(float);
 #endif
 
 static inline float ld1_f32(const float *p) { return *p; }
@@ -37,20 +48,56 @@ static inline float ld1_bf16(const uint16_t *p) {
 }
 static inline float ld1_f16(const _Float16 *p) { return (float)*p; }
 
+/* The vector path, chosen at build time: AVX-512 (16 floats), else AVX2 + FMA + F16C (8),
+ * else none. VF is the vector type, VW its width, V* the few operations the kernel uses. */
 #if defined(__AVX512F__)
-#define VEC_PATH 1
-static inline __m512 ld16_f32(const float *p) { return _mm512_loadu_ps(p); }
-static inline __m512 ld16_bf16(const uint16_t *p) {
+#define VEC_PATH 512
+#define VW 16
+typedef __m512 VF;
+#define VLOAD _mm512_loadu_ps
+#define VSTORE _mm512_storeu_ps
+#define VMUL _mm512_mul_ps
+#define VFMA _mm512_fmadd_ps
+#define VSET1 _mm512_set1_ps
+#define VSUM _mm512_reduce_add_ps
+#define VADD _mm512_add_ps
+static inline VF ldv_f32(const float *p) { return _mm512_loadu_ps(p); }
+static inline VF ldv_bf16(const uint16_t *p) {
     __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
-static inline __m512 ld16_f16(const _Float16 *p) {
+static inline VF ldv_f16(const _Float16 *p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 }
-#define MAX_CHUNKS 16 /* D <= 256 */
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define VEC_PATH 256
+#define VW 8
+typedef __m256 VF;
+#define VLOAD _mm256_loadu_ps
+#define VSTORE _mm256_storeu_ps
+#define VMUL _mm256_mul_ps
+#define VFMA _mm256_fmadd_ps
+#define VSET1 _mm256_set1_ps
+#define VADD _mm256_add_ps
+static inline float VSUM(__m256 x) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+static inline VF ldv_f32(const float *p) { return _mm256_loadu_ps(p); }
+static inline VF ldv_bf16(const uint16_t *p) {
+    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+static inline VF ldv_f16(const _Float16 *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
 #else
 #define VEC_PATH 0
+#define VW 1
 #endif
+#define MAX_CHUNKS (256 / VW) /* D <= 256 on the vector path */
 
 /* Scratch per thread, in floats: scores (Hq, bs), accumulators (Hq, D), max and sum (Hq). */
 #define WORK_FLOATS(Hq, D, bs) ((Hq) * (bs) + (Hq) * (D) + 2 * (Hq))
@@ -82,11 +129,10 @@ static inline void fold_page(float *s, float *acc, float *m, float *l, int64_t H
         float mx = m[g];
         for (int64_t j = 0; j < nt; j++) mx = sg[j] > mx ? sg[j] : mx;
         const float corr = expf(m[g] - mx); /* 0 on the first page: m = -inf */
+#pragma omp simd
+        for (int64_t j = 0; j < nt; j++) sg[j] = expf(sg[j] - mx); /* libmvec: vectorised */
         float sum = 0.0f;
-        for (int64_t j = 0; j < nt; j++) {
-            sg[j] = expf(sg[j] - mx);
-            sum += sg[j];
-        }
+        for (int64_t j = 0; j < nt; j++) sum += sg[j];
         l[g] = l[g] * corr + sum;
         m[g] = mx;
         if (corr != 1.0f)
@@ -94,126 +140,131 @@ static inline void fold_page(float *s, float *acc, float *m, float *l, int64_t H
     }
 }
 
+/* One page's contribution: rows kp[j * row], vp[j * row] for j < nt (the page's valid
+ * keys, already offset to the first), scored for every query head, folded into the online
+ * softmax, and their V rows added. nk/nv: the next page's first rows to prefetch, or NULL. */
 #if VEC_PATH
-#define DEFINE_SEQ_VEC(NAME, T, LD)                                                           \
+#define DEFINE_PAGE_VEC(NAME, T, LD)                                                          \
     static inline __attribute__((always_inline)) void NAME(                                  \
-        const float *qb, const T *k_cache, const T *v_cache, const int64_t *table,           \
-        int64_t lo, int64_t L, float *ob, int64_t Hq, int64_t Hkv, const int64_t D,          \
-        int64_t bs, int64_t page_stride, float scale, float *work) {                         \
-        const int64_t C = D / 16, row = Hkv * D, G = Hq / Hkv;                               \
-        float *s = work, *acc = s + Hq * bs, *m = acc + Hq * D, *l = m + Hq;                 \
-        start_softmax(acc, m, l, Hq, D);                                                     \
-        const int64_t first = lo / bs, last = (L - 1) / bs;                                  \
-        for (int64_t pg = first; pg <= last; pg++) {                                         \
-            const T *kp = k_cache + table[pg] * page_stride;                                 \
-            const T *vp = v_cache + table[pg] * page_stride;                                 \
-            const T *nk = pg < last ? k_cache + table[pg + 1] * page_stride : NULL;          \
-            const T *nv = pg < last ? v_cache + table[pg + 1] * page_stride : NULL;          \
-            const int64_t t0 = pg * bs > lo ? pg * bs : lo;                                  \
-            const int64_t t1 = (pg + 1) * bs < L ? (pg + 1) * bs : L;                        \
-            const int64_t nt = t1 - t0, j0 = t0 - pg * bs;                                   \
-            const int64_t row_bytes = row * (int64_t)sizeof(T);                              \
-            for (int64_t j = 0; j < nt; j++) {                                               \
-                const T *kr = kp + (j0 + j) * row;                                           \
-                if (nk)                                                                      \
-                    for (int64_t off = 0; off < row_bytes; off += 64)                        \
-                        _mm_prefetch((const char *)(nk + j * row) + off, _MM_HINT_T1);       \
-                for (int64_t h = 0; h < Hkv; h++) {                                          \
-                    __m512 kv[MAX_CHUNKS];                                                   \
-                    for (int64_t c = 0; c < C; c++) kv[c] = LD(kr + h * D + 16 * c);         \
-                    for (int64_t g = h * G; g < (h + 1) * G; g++) {                          \
-                        const float *qr = qb + g * D;                                        \
-                        __m512 x = _mm512_mul_ps(_mm512_loadu_ps(qr), kv[0]);                \
-                        for (int64_t c = 1; c < C; c++)                                      \
-                            x = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * c), kv[c], x);     \
-                        s[g * bs + j] = _mm512_reduce_add_ps(x) * scale;                     \
-                    }                                                                        \
-                }                                                                            \
-            }                                                                                \
-            fold_page(s, acc, m, l, Hq, D, bs, nt);                                          \
-            for (int64_t j = 0; j < nt; j++) {                                               \
-                const T *vr = vp + (j0 + j) * row;                                           \
-                if (nv)                                                                      \
-                    for (int64_t off = 0; off < row_bytes; off += 64)                        \
-                        _mm_prefetch((const char *)(nv + j * row) + off, _MM_HINT_T1);       \
-                for (int64_t h = 0; h < Hkv; h++) {                                          \
-                    __m512 vv[MAX_CHUNKS];                                                   \
-                    for (int64_t c = 0; c < C; c++) vv[c] = LD(vr + h * D + 16 * c);         \
-                    for (int64_t g = h * G; g < (h + 1) * G; g++) {                          \
-                        const __m512 p = _mm512_set1_ps(s[g * bs + j]);                      \
-                        float *ar = acc + g * D;                                             \
-                        for (int64_t c = 0; c < C; c++)                                      \
-                            _mm512_storeu_ps(ar + 16 * c, _mm512_fmadd_ps(                   \
-                                p, vv[c], _mm512_loadu_ps(ar + 16 * c)));                    \
-                    }                                                                        \
+        const float *qb, const T *kp, const T *vp, const T *nk, const T *nv, int64_t nt,     \
+        float *s, float *acc, float *m, float *l, int64_t Hq, int64_t Hkv, const int64_t D,  \
+        int64_t bs, float scale) {                                                           \
+        const int64_t C = D / VW, row = Hkv * D, G = Hq / Hkv;                               \
+        const int64_t row_bytes = row * (int64_t)sizeof(T);                                  \
+        for (int64_t j = 0; j < nt; j++) {                                                   \
+            const T *kr = kp + j * row;                                                      \
+            if (nk)                                                                          \
+                for (int64_t off = 0; off < row_bytes; off += 64)                            \
+                    __builtin_prefetch((const char *)(nk + j * row) + off, 0, 2);            \
+            for (int64_t h = 0; h < Hkv; h++) {                                              \
+                VF kv[MAX_CHUNKS];                                                           \
+                for (int64_t c = 0; c < C; c++) kv[c] = LD(kr + h * D + VW * c);             \
+                for (int64_t g = h * G; g < (h + 1) * G; g++) {                              \
+                    const float *qr = qb + g * D;                                            \
+                    VF x = VMUL(VLOAD(qr), kv[0]);                                           \
+                    for (int64_t c = 1; c < C; c++) x = VFMA(VLOAD(qr + VW * c), kv[c], x);  \
+                    s[g * bs + j] = VSUM(x) * scale;                                         \
                 }                                                                            \
             }                                                                                \
         }                                                                                    \
-        finish_softmax(acc, l, ob, Hq, D);                                                   \
+        fold_page(s, acc, m, l, Hq, D, bs, nt);                                              \
+        for (int64_t j = 0; j < nt; j++) {                                                   \
+            const T *vr = vp + j * row;                                                      \
+            if (nv)                                                                          \
+                for (int64_t off = 0; off < row_bytes; off += 64)                            \
+                    __builtin_prefetch((const char *)(nv + j * row) + off, 0, 2);            \
+            for (int64_t h = 0; h < Hkv; h++) {                                              \
+                VF vv[MAX_CHUNKS];                                                           \
+                for (int64_t c = 0; c < C; c++) vv[c] = LD(vr + h * D + VW * c);             \
+                for (int64_t g = h * G; g < (h + 1) * G; g++) {                              \
+                    const VF p = VSET1(s[g * bs + j]);                                       \
+                    float *ar = acc + g * D;                                                 \
+                    for (int64_t c = 0; c < C; c++)                                          \
+                        VSTORE(ar + VW * c, VFMA(p, vv[c], VLOAD(ar + VW * c)));             \
+                }                                                                            \
+            }                                                                                \
+        }                                                                                    \
     }
-DEFINE_SEQ_VEC(seq_vec_f32, float, ld16_f32)
-DEFINE_SEQ_VEC(seq_vec_bf16, uint16_t, ld16_bf16)
-DEFINE_SEQ_VEC(seq_vec_f16, _Float16, ld16_f16)
+DEFINE_PAGE_VEC(page_vec_f32, float, ldv_f32)
+DEFINE_PAGE_VEC(page_vec_bf16, uint16_t, ldv_bf16)
+DEFINE_PAGE_VEC(page_vec_f16, _Float16, ldv_f16)
 #endif
 
-/* The portable path: the same walk and online softmax, scalar loops. */
-#define DEFINE_SEQ_SCALAR(NAME, T, LD)                                                        \
+/* The portable page step: the same math, scalar loops (two passes over the page). */
+#define DEFINE_PAGE_SCALAR(NAME, T, LD)                                                       \
+    static void NAME(const float *qb, const T *kp, const T *vp, const T *nk, const T *nv,    \
+                     int64_t nt, float *s, float *acc, float *m, float *l, int64_t Hq,       \
+                     int64_t Hkv, int64_t D, int64_t bs, float scale) {                      \
+        (void)nk;                                                                            \
+        (void)nv;                                                                            \
+        const int64_t row = Hkv * D, G = Hq / Hkv;                                           \
+        for (int64_t j = 0; j < nt; j++)                                                     \
+            for (int64_t g = 0; g < Hq; g++) {                                               \
+                const T *kr = kp + j * row + (g / G) * D;                                    \
+                float dot = 0.0f;                                                            \
+                for (int64_t d = 0; d < D; d++) dot += qb[g * D + d] * LD(kr + d);           \
+                s[g * bs + j] = dot * scale;                                                 \
+            }                                                                                \
+        fold_page(s, acc, m, l, Hq, D, bs, nt);                                              \
+        for (int64_t j = 0; j < nt; j++)                                                     \
+            for (int64_t g = 0; g < Hq; g++) {                                               \
+                const T *vr = vp + j * row + (g / G) * D;                                    \
+                const float p = s[g * bs + j];                                               \
+                for (int64_t d = 0; d < D; d++) acc[g * D + d] += p * LD(vr + d);            \
+            }                                                                                \
+    }
+DEFINE_PAGE_SCALAR(page_scalar_f32, float, ld1_f32)
+DEFINE_PAGE_SCALAR(page_scalar_bf16, uint16_t, ld1_bf16)
+DEFINE_PAGE_SCALAR(page_scalar_f16, _Float16, ld1_f16)
+
+/* Whether head size D takes the vector path. */
+static inline int vec_ok(int64_t D) { return VEC_PATH && D % VW == 0 && D <= VW * MAX_CHUNKS; }
+
+/* One page step with D as a compile-time constant for the common head sizes (64, 128), so the
+ * chunk loops unroll; other sizes a multiple of the vector width run the generic instance,
+ * the rest the scalar step. */
+#if VEC_PATH
+#define PAGE_STEP(SUFFIX, ...)                                                                \
+    do {                                                                                      \
+        if (D == 64)                                                                          \
+            page_vec_##SUFFIX(qb, __VA_ARGS__, s, acc, m, l, Hq, Hkv, 64, bs, scale);         \
+        else if (D == 128)                                                                    \
+            page_vec_##SUFFIX(qb, __VA_ARGS__, s, acc, m, l, Hq, Hkv, 128, bs, scale);        \
+        else if (vec_ok(D))                                                                   \
+            page_vec_##SUFFIX(qb, __VA_ARGS__, s, acc, m, l, Hq, Hkv, D, bs, scale);          \
+        else                                                                                  \
+            page_scalar_##SUFFIX(qb, __VA_ARGS__, s, acc, m, l, Hq, Hkv, D, bs, scale);       \
+    } while (0)
+#else
+#define PAGE_STEP(SUFFIX, ...)                                                                \
+    page_scalar_##SUFFIX(qb, __VA_ARGS__, s, acc, m, l, Hq, Hkv, D, bs, scale)
+#endif
+
+/* Float pages: walk a sequence's pages in place. */
+#define DEFINE_SEQ(NAME, T, SUFFIX)                                                           \
     static void NAME(const float *qb, const T *k_cache, const T *v_cache,                    \
                      const int64_t *table, int64_t lo, int64_t L, float *ob, int64_t Hq,     \
                      int64_t Hkv, int64_t D, int64_t bs, int64_t page_stride, float scale,   \
                      float *work) {                                                          \
-        const int64_t row = Hkv * D, G = Hq / Hkv;                                           \
+        const int64_t row = Hkv * D;                                                         \
         float *s = work, *acc = s + Hq * bs, *m = acc + Hq * D, *l = m + Hq;                 \
         start_softmax(acc, m, l, Hq, D);                                                     \
-        for (int64_t pg = lo / bs; pg <= (L - 1) / bs; pg++) {                               \
-            const T *kp = k_cache + table[pg] * page_stride;                                 \
-            const T *vp = v_cache + table[pg] * page_stride;                                 \
+        const int64_t first = lo / bs, last = (L - 1) / bs;                                  \
+        for (int64_t pg = first; pg <= last; pg++) {                                         \
             const int64_t t0 = pg * bs > lo ? pg * bs : lo;                                  \
             const int64_t t1 = (pg + 1) * bs < L ? (pg + 1) * bs : L;                        \
             const int64_t nt = t1 - t0, j0 = t0 - pg * bs;                                   \
-            for (int64_t j = 0; j < nt; j++)                                                 \
-                for (int64_t g = 0; g < Hq; g++) {                                           \
-                    const T *kr = kp + (j0 + j) * row + (g / G) * D;                         \
-                    float dot = 0.0f;                                                        \
-                    for (int64_t d = 0; d < D; d++) dot += qb[g * D + d] * LD(kr + d);       \
-                    s[g * bs + j] = dot * scale;                                             \
-                }                                                                            \
-            fold_page(s, acc, m, l, Hq, D, bs, nt);                                          \
-            for (int64_t j = 0; j < nt; j++)                                                 \
-                for (int64_t g = 0; g < Hq; g++) {                                           \
-                    const T *vr = vp + (j0 + j) * row + (g / G) * D;                         \
-                    const float p = s[g * bs + j];                                           \
-                    for (int64_t d = 0; d < D; d++) acc[g * D + d] += p * LD(vr + d);        \
-                }                                                                            \
+            const T *kp = k_cache + table[pg] * page_stride + j0 * row;                      \
+            const T *vp = v_cache + table[pg] * page_stride + j0 * row;                      \
+            const T *nk = pg < last ? k_cache + table[pg + 1] * page_stride : NULL;          \
+            const T *nv = pg < last ? v_cache + table[pg + 1] * page_stride : NULL;          \
+            PAGE_STEP(SUFFIX, kp, vp, nk, nv, nt);                                           \
         }                                                                                    \
         finish_softmax(acc, l, ob, Hq, D);                                                   \
     }
-DEFINE_SEQ_SCALAR(seq_scalar_f32, float, ld1_f32)
-DEFINE_SEQ_SCALAR(seq_scalar_bf16, uint16_t, ld1_bf16)
-DEFINE_SEQ_SCALAR(seq_scalar_f16, _Float16, ld1_f16)
-
-#if VEC_PATH
-/* D = 64 and 128 get their own instances, so the chunk loops unroll with constant trips. */
-#define CALL_SEQ(SUFFIX)                                                                      \
-    do {                                                                                      \
-        if (D == 64)                                                                          \
-            seq_vec_##SUFFIX(qb, k_cache, v_cache, table, lo, L, ob, Hq, Hkv, 64, bs,         \
-                             page_stride, scale, work);                                       \
-        else if (D == 128)                                                                    \
-            seq_vec_##SUFFIX(qb, k_cache, v_cache, table, lo, L, ob, Hq, Hkv, 128, bs,        \
-                             page_stride, scale, work);                                       \
-        else if (D % 16 == 0 && D <= 16 * MAX_CHUNKS)                                         \
-            seq_vec_##SUFFIX(qb, k_cache, v_cache, table, lo, L, ob, Hq, Hkv, D, bs,          \
-                             page_stride, scale, work);                                       \
-        else                                                                                  \
-            seq_scalar_##SUFFIX(qb, k_cache, v_cache, table, lo, L, ob, Hq, Hkv, D, bs,       \
-                                page_stride, scale, work);                                    \
-    } while (0)
-#else
-#define CALL_SEQ(SUFFIX)                                                                      \
-    seq_scalar_##SUFFIX(qb, k_cache, v_cache, table, lo, L, ob, Hq, Hkv, D, bs, page_stride,  \
-                        scale, work)
-#endif
+DEFINE_SEQ(seq_f32, float, f32)
+DEFINE_SEQ(seq_bf16, uint16_t, bf16)
+DEFINE_SEQ(seq_f16, _Float16, f16)
 
 /* Returns 0, or 1 when a thread could not allocate its scratch (out is then incomplete). */
 #define DEFINE_DECODE(NAME, T, SUFFIX)                                                        \
@@ -231,15 +282,14 @@ DEFINE_SEQ_SCALAR(seq_scalar_f16, _Float16, ld1_f16)
             for (int64_t b = 0; b < B; b++) {                                                 \
                 const int64_t L = context_lens[b];                                            \
                 const int64_t lo = (window > 0 && L > window) ? L - window : 0;               \
-                const float *qb = q + b * Hq * D;                                             \
                 float *ob = out + b * Hq * D;                                                 \
-                const int64_t *table = block_tables + b * P;                                  \
                 if (work == NULL) continue;                                                   \
                 if (L <= lo) {                                                                \
                     memset(ob, 0, sizeof(float) * Hq * D);                                    \
                     continue;                                                                 \
                 }                                                                             \
-                CALL_SEQ(SUFFIX);                                                             \
+                seq_##SUFFIX(q + b * Hq * D, k_cache, v_cache, block_tables + b * P, lo, L,   \
+                             ob, Hq, Hkv, D, bs, page_stride, scale, work);                   \
             }                                                                                 \
             free(work);                                                                       \
         }                                                                                     \
@@ -250,8 +300,320 @@ DEFINE_DECODE(kvmesh_decode_attention_f32, float, f32)
 DEFINE_DECODE(kvmesh_decode_attention_bf16, uint16_t, bf16)
 DEFINE_DECODE(kvmesh_decode_attention_f16, _Float16, f16)
 
-/* The ABI version kernels/cpu_native.py checks, bumped with any signature change. */
-int kvmesh_cpu_abi(void) { return 2; }
+/* ------------------------------------------------------------------------------------------
+ * Quantized pages (fp8, int8, int4; byte layout: kernels/quant.py, kernels/page_format.py).
+ *
+ * Every component of a page is dense and sits at the same byte stride from page to page (the
+ * pool is one uint8 tensor, page-major), so a component is a base pointer plus page * stride.
+ * fp8/int8 pages (and int4 pages where the int4 vector step does not run: scalar builds, head
+ * sizes off the vector width) have their valid rows dequantized into a float scratch of
+ * (bs, Hkv, D) per K and V, in each thread's heap work area (L1-sized only for small pages),
+ * and the float page step runs over it: the pool is read once, as stored (an int4 page is a
+ * sixth of an fp32 one), and nothing is written back. The partial last page of a sequence
+ * with a residual slot is read from the fp32 residual (R, bs, Hkv, D) instead. This
+ * dequantization is the torch twin's arithmetic (q * scale [+ zero], two roundings), so the
+ * dequantized rows are bit-equal to the twin's; the attention over them then differs by
+ * float rounding (sum order). int4 on the vector builds (page_int4_vec) folds the scales into
+ * q and the softmax weights instead: equal to the twin within float rounding, not bit-equal.
+ */
+enum { QFMT_FP8 = 1, QFMT_INT8 = 2, QFMT_INT4 = 3 };
 
-/* Whether this build has the hand-vectorised path (for tests and logs). */
+static float fp8_lut[256]; /* float8_e4m3fn byte -> float, filled once */
+static void fill_fp8_lut(void) {
+    for (int b = 0; b < 256; b++) {
+        const int sign = b >> 7, e = (b >> 3) & 15, mant = b & 7;
+        float v;
+        if (e == 15 && mant == 7)
+            v = NAN;
+        else if (e == 0)
+            v = ldexpf((float)mant / 8.0f, -6);
+        else
+            v = ldexpf(1.0f + (float)mant / 8.0f, e - 7);
+        fp8_lut[b] = sign ? -v : v;
+    }
+}
+
+/* n packed int4 bytes -> 2n float codes in [0, 15], element 2j from byte j's low nibble. */
+static inline void int4_codes(const uint8_t *src, int64_t n, float *dst) {
+    int64_t j = 0;
+#if VEC_PATH
+    const __m128i mask = _mm_set1_epi8(15);
+    for (; j + 16 <= n; j += 16) {
+        const __m128i b = _mm_loadu_si128((const __m128i *)(src + j));
+        const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+        const __m128i e0 = _mm_unpacklo_epi8(lo, hi), e1 = _mm_unpackhi_epi8(lo, hi);
+        float *o = dst + 2 * j;
+#if VEC_PATH == 512
+        _mm512_storeu_ps(o, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(e0)));
+        _mm512_storeu_ps(o + 16, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(e1)));
+#else
+        _mm256_storeu_ps(o, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(e0)));
+        _mm256_storeu_ps(o + 8, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(e0, 8))));
+        _mm256_storeu_ps(o + 16, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(e1)));
+        _mm256_storeu_ps(o + 24, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(e1, 8))));
+#endif
+    }
+#endif
+    for (; j < n; j++) {
+        dst[2 * j] = (float)(src[j] & 15);
+        dst[2 * j + 1] = (float)(src[j] >> 4);
+    }
+}
+
+#if VEC_PATH
+/* A row of D int4 codes (D % 32 == 0) straight into D / VW float vectors, no store. */
+static inline void int4_vecs(const uint8_t *src, int64_t D, VF *out) {
+    const __m128i mask = _mm_set1_epi8(15);
+    for (int64_t j = 0; j < D / 2; j += 16) {
+        const __m128i b = _mm_loadu_si128((const __m128i *)(src + j));
+        const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+        const __m128i e0 = _mm_unpacklo_epi8(lo, hi), e1 = _mm_unpackhi_epi8(lo, hi);
+        VF *o = out + (2 * j) / VW;
+#if VEC_PATH == 512
+        o[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(e0));
+        o[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(e1));
+#else
+        o[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(e0));
+        o[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(e0, 8)));
+        o[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(e1));
+        o[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(e1, 8)));
+#endif
+    }
+}
+
+/* D / VW vectors of the codes of one row: widened in registers when D % 32 == 0, else through
+ * the codes scratch in memory. */
+static inline void int4_row(const uint8_t *src, int64_t D, float *codes, VF *out) {
+    if (D % 32 == 0) {
+        int4_vecs(src, D, out);
+        return;
+    }
+    int4_codes(src, D / 2, codes);
+    for (int64_t c = 0; c < D / VW; c++) out[c] = VLOAD(codes + VW * c);
+}
+#endif
+
+typedef struct {
+    const uint8_t *k, *ks, *kz, *v, *vs, *vz; /* component bases (page 0) */
+    int64_t stride;                           /* bytes from one page to the next */
+} qpages;
+
+/* Rows [j0, j0 + nt) of page pg, K into kb and V into vb, (nt, H, D) float each. kscr: 2*H*D
+ * floats of scratch (int4: the page's K scales and zeros as float), from the heap work area. */
+static inline void dequant_rows(int fmt, const qpages *P, int64_t pg, int64_t j0, int64_t nt,
+                                int64_t H, int64_t D, float *kb, float *vb, float *kscr) {
+    const int64_t off = pg * P->stride;
+    if (fmt == QFMT_INT8 || fmt == QFMT_FP8) {
+        const _Float16 *ks = (const _Float16 *)(P->ks + off) + j0 * H;
+        const _Float16 *vs = (const _Float16 *)(P->vs + off) + j0 * H;
+        const uint8_t *kd = P->k + off + j0 * H * D, *vd = P->v + off + j0 * H * D;
+        for (int64_t r = 0; r < nt * H; r++) {
+            const float sk = (float)ks[r], sv = (float)vs[r];
+            const uint8_t *kq = kd + r * D, *vq = vd + r * D;
+            float *ko = kb + r * D, *vo = vb + r * D;
+            if (fmt == QFMT_INT8) {
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) ko[d] = (float)(int8_t)kq[d] * sk;
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) vo[d] = (float)(int8_t)vq[d] * sv;
+            } else {
+                for (int64_t d = 0; d < D; d++) ko[d] = fp8_lut[kq[d]] * sk;
+                for (int64_t d = 0; d < D; d++) vo[d] = fp8_lut[vq[d]] * sv;
+            }
+        }
+        return;
+    }
+    /* int4: K per channel (scale, zero of (H, D) per page), V per token in groups of g */
+    const int64_t D2 = D / 2, g = D < 32 ? D : 32, Gn = D / g;
+    const _Float16 *ks = (const _Float16 *)(P->ks + off), *kz = (const _Float16 *)(P->kz + off);
+    const _Float16 *vs = (const _Float16 *)(P->vs + off) + j0 * H * Gn;
+    const _Float16 *vz = (const _Float16 *)(P->vz + off) + j0 * H * Gn;
+    const uint8_t *kd = P->k + off + j0 * H * D2, *vd = P->v + off + j0 * H * D2;
+    float *ksf = kscr, *kzf = kscr + H * D; /* the page's K scales and zeros as float, once */
+    for (int64_t i = 0; i < H * D; i++) {
+        ksf[i] = (float)ks[i];
+        kzf[i] = (float)kz[i];
+    }
+    for (int64_t t = 0; t < nt; t++)
+        for (int64_t h = 0; h < H; h++) {
+            const int64_t r = t * H + h;
+            const uint8_t *kq = kd + r * D2, *vq = vd + r * D2;
+            const float *sc = ksf + h * D, *zp = kzf + h * D;
+            float *ko = kb + r * D, *vo = vb + r * D;
+            int4_codes(kq, D2, ko); /* codes, then scaled in place */
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) ko[d] = ko[d] * sc[d] + zp[d];
+            int4_codes(vq, D2, vo);
+            for (int64_t c = 0; c < Gn; c++) {
+                const float s = (float)vs[r * Gn + c], z = (float)vz[r * Gn + c];
+                float *voc = vo + c * g;
+#pragma omp simd
+                for (int64_t i = 0; i < g; i++) voc[i] = voc[i] * s + z;
+            }
+        }
+}
+
+/* Prefetch the quantized data of page pg (K and V bytes) into L2. */
+static inline void prefetch_page(int fmt, const qpages *P, int64_t pg, int64_t bs, int64_t H,
+                                 int64_t D) {
+    const int64_t n = fmt == QFMT_INT4 ? bs * H * D / 2 : bs * H * D;
+    const uint8_t *k = P->k + pg * P->stride, *v = P->v + pg * P->stride;
+    for (int64_t off = 0; off < n; off += 64) {
+        __builtin_prefetch(k + off, 0, 2);
+        __builtin_prefetch(v + off, 0, 2);
+    }
+}
+
+#if VEC_PATH
+/* An int4 page step without a dequantized copy: keys' per-channel scales fold into the
+ * query (q.(c*s + z) = (q*s).c + q.z, per page), values' per-token group scale and zero into
+ * the softmax weight (p*(c*s + z) = (p*s)*c + p*z); only the 4-bit codes are widened, a row
+ * at a time (in registers when D % 32 == 0, else through a D-float scratch). Same math as
+ * dequantizing first, other rounding (float-level): equal to the twin within rounding. */
+static void page_int4_vec(const float *qb, const qpages *P, int64_t pgid, int64_t j0,
+                          int64_t nt, float *s, float *acc, float *m, float *l, int64_t Hq,
+                          int64_t Hkv, const int64_t D, int64_t bs, float scale, float *qs,
+                          float *qz, float *codes) {
+    const int64_t off = pgid * P->stride, D2 = D / 2, G = Hq / Hkv, C = D / VW;
+    const int64_t g = D < 32 ? D : 32, Gn = D / g;
+    const _Float16 *ks = (const _Float16 *)(P->ks + off), *kz = (const _Float16 *)(P->kz + off);
+    const _Float16 *vs = (const _Float16 *)(P->vs + off), *vz = (const _Float16 *)(P->vz + off);
+    const uint8_t *kd = P->k + off, *vd = P->v + off;
+    float *ksf = codes + D, *kzf = ksf + Hkv * D; /* the page's K scales, zeros as float */
+    for (int64_t i = 0; i < Hkv * D; i++) {
+        ksf[i] = (float)ks[i];
+        kzf[i] = (float)kz[i];
+    }
+    for (int64_t h = 0; h < Hkv; h++)
+        for (int64_t gi = h * G; gi < (h + 1) * G; gi++) {
+            VF z = VMUL(VLOAD(qb + gi * D), VLOAD(kzf + h * D));
+            VSTORE(qs + gi * D, VMUL(VLOAD(qb + gi * D), VLOAD(ksf + h * D)));
+            for (int64_t c = 1; c < C; c++) {
+                const VF qv = VLOAD(qb + gi * D + VW * c);
+                VSTORE(qs + gi * D + VW * c, VMUL(qv, VLOAD(ksf + h * D + VW * c)));
+                z = VFMA(qv, VLOAD(kzf + h * D + VW * c), z);
+            }
+            qz[gi] = VSUM(z);
+        }
+    for (int64_t j = 0; j < nt; j++)
+        for (int64_t h = 0; h < Hkv; h++) {
+            VF kv[MAX_CHUNKS];
+            int4_row(kd + ((j0 + j) * Hkv + h) * D2, D, codes, kv);
+            for (int64_t gi = h * G; gi < (h + 1) * G; gi++) {
+                const float *qr = qs + gi * D;
+                VF x = VMUL(VLOAD(qr), kv[0]);
+                for (int64_t c = 1; c < C; c++) x = VFMA(VLOAD(qr + VW * c), kv[c], x);
+                s[gi * bs + j] = (VSUM(x) + qz[gi]) * scale;
+            }
+        }
+    fold_page(s, acc, m, l, Hq, D, bs, nt);
+    for (int64_t j = 0; j < nt; j++)
+        for (int64_t h = 0; h < Hkv; h++) {
+            const int64_t r = (j0 + j) * Hkv + h;
+            VF cv[MAX_CHUNKS];
+            int4_row(vd + r * D2, D, codes, cv);
+            float sv[8], zv[8]; /* the row's group scales and zeros (Gn <= 8: D <= 256) */
+            for (int64_t c = 0; c < Gn; c++) {
+                sv[c] = (float)vs[r * Gn + c];
+                zv[c] = (float)vz[r * Gn + c];
+            }
+            for (int64_t gi = h * G; gi < (h + 1) * G; gi++) {
+                const float p = s[gi * bs + j];
+                float *ar = acc + gi * D;
+                for (int64_t c = 0; c < C; c++) {
+                    const int64_t grp = (VW * c) / g;
+                    const VF a = VSET1(p * sv[grp]), b = VSET1(p * zv[grp]);
+                    VSTORE(ar + VW * c, VADD(VFMA(a, cv[c], VLOAD(ar + VW * c)), b));
+                }
+            }
+        }
+}
+#endif
+
+static void seq_quant(int fmt, const float *qb, const qpages *P, const float *res_k,
+                      const float *res_v, int64_t slot, const int64_t *table, int64_t lo,
+                      int64_t L, float *ob, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs,
+                      float scale, float *work) {
+    const int64_t row = Hkv * D;
+    float *s = work, *acc = s + Hq * bs, *m = acc + Hq * D, *l = m + Hq;
+    float *kb = l + Hq, *vb = kb + bs * row;
+    float *kscr = vb + bs * row + Hq * D + Hq + D; /* 2 * row floats: int4's K scales, zeros */
+    start_softmax(acc, m, l, Hq, D);
+    const int64_t first = lo / bs, last = (L - 1) / bs;
+    const int64_t tail = (L % bs && slot >= 0) ? L / bs : -1; /* page read from the residual */
+    for (int64_t pg = first; pg <= last; pg++) {
+        const int64_t t0 = pg * bs > lo ? pg * bs : lo;
+        const int64_t t1 = (pg + 1) * bs < L ? (pg + 1) * bs : L;
+        const int64_t nt = t1 - t0, j0 = t0 - pg * bs;
+        const float *kp, *vp;
+        if (pg < last && pg + 1 != tail) prefetch_page(fmt, P, table[pg + 1], bs, Hkv, D);
+        if (pg == tail) {
+            kp = res_k + slot * bs * row + j0 * row;
+            vp = res_v + slot * bs * row + j0 * row;
+#if VEC_PATH
+        } else if (fmt == QFMT_INT4 && vec_ok(D)) {
+            float *qs = vb + bs * row, *qz = qs + Hq * D;
+            page_int4_vec(qb, P, table[pg], j0, nt, s, acc, m, l, Hq, Hkv, D, bs, scale, qs, qz,
+                          qz + Hq);
+            continue;
+#endif
+        } else {
+            dequant_rows(fmt, P, table[pg], j0, nt, Hkv, D, kb, vb, kscr);
+            kp = kb;
+            vp = vb;
+        }
+        PAGE_STEP(f32, kp, vp, (const float *)NULL, (const float *)NULL, nt);
+    }
+    finish_softmax(acc, l, ob, Hq, D);
+}
+
+/* fmt: QFMT_*. kz, vz: NULL for fp8/int8. res_k/res_v: (R, bs, Hkv, D) fp32; res_slots (B,)
+ * int64, -1 where the sequence has no tail in the residual. page_stride in bytes. */
+int kvmesh_decode_attention_quant(int fmt, const float *q, const uint8_t *k, const uint8_t *ks,
+                                  const uint8_t *kz, const uint8_t *v, const uint8_t *vs,
+                                  const uint8_t *vz, const float *res_k, const float *res_v,
+                                  const int64_t *block_tables, const int64_t *context_lens,
+                                  const int64_t *res_slots, float *out, int64_t B, int64_t P,
+                                  int64_t Hq, int64_t Hkv, int64_t D, int64_t bs,
+                                  int64_t page_stride, float scale, int64_t window,
+                                  int num_threads) {
+    if (fmt != QFMT_FP8 && fmt != QFMT_INT8 && fmt != QFMT_INT4) return 2;
+    if (fmt == QFMT_INT4 && (D % 2 || D % (D < 32 ? D : 32))) return 2;
+    if (fmt == QFMT_FP8) {
+        _Pragma("omp critical(kvmesh_fp8_lut)") if (fp8_lut[0x38] != 1.0f) fill_fp8_lut();
+    }
+    const qpages pages = {k, ks, kz, v, vs, vz, page_stride};
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        /* + dequantized K and V of a page; int4's folded query, its zeros, codes, K scales */
+        float *work = malloc(sizeof(float) *
+                             (WORK_FLOATS(Hq, D, bs) + 2 * bs * Hkv * D + Hq * D + Hq + D +
+                              2 * Hkv * D));
+        if (work == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t b = 0; b < B; b++) {
+            const int64_t L = context_lens[b];
+            const int64_t lo = (window > 0 && L > window) ? L - window : 0;
+            float *ob = out + b * Hq * D;
+            if (work == NULL) continue;
+            if (L <= lo) {
+                memset(ob, 0, sizeof(float) * Hq * D);
+                continue;
+            }
+            seq_quant(fmt, q + b * Hq * D, &pages, res_k, res_v, res_slots[b],
+                      block_tables + b * P, lo, L, ob, Hq, Hkv, D, bs, scale, work);
+        }
+        free(work);
+    }
+    return failed;
+}
+
+/* The ABI version kernels/cpu_native.py checks, bumped with any signature change. */
+int kvmesh_cpu_abi(void) { return 3; }
+
+/* The vector path this build has: 512 (AVX-512), 256 (AVX2), 0 (scalar). */
 int kvmesh_cpu_attention_vectorized(void) { return VEC_PATH; }

@@ -5,8 +5,15 @@ The torch path gathers every page of every sequence (``index_select``) into a pa
 decode time that traffic is the step's largest cost after the weights. The C kernel reads
 each K/V row once, in place, through the block table. ``kernels.cpu_native`` builds it.
 
-Float cache formats only (fp32, fp16, bf16 pages; q and the result in fp32 inside). The
-torch twin is ``kernels.decode_attention.paged_decode_attention_torch``.
+Float formats (fp32, fp16, bf16 pages) are read as stored; quantized ones (fp8, int8,
+int4, the byte layout of ``kernels.quant``) are read in place, with a sequence's partial
+last page read from its fp32 residual slot: fp8 and int8 pages (and int4 on scalar builds
+or head sizes off the vector width) are dequantized a page at a time into a per-thread float
+scratch (small enough for L1 only for small pages) with the twin's arithmetic; int4 on the
+AVX2/AVX-512 builds folds its scales into q and the softmax weights instead of making a
+dequantized copy. Either way the result equals the twin's within float rounding (checked at
+2e-5), not bit for bit. q and the result are fp32 inside. The torch twin is
+``kernels.decode_attention.paged_decode_attention_torch``.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from kvmesh.kernels.cpu_native import CpuLibrary, default_library
-from kvmesh.kernels.page_format import FLOAT_FORMATS
+from kvmesh.kernels.page_format import FLOAT_FORMATS, QUANT_FORMATS
 from kvmesh.kernels.paged_kv import check_cache, check_index
 
 _SYMBOLS = {
@@ -22,6 +29,15 @@ _SYMBOLS = {
     "bf16": "kvmesh_decode_attention_bf16",
     "fp16": "kvmesh_decode_attention_f16",
 }
+_QUANT_CODES = {"fp8": 1, "int8": 2, "int4": 3}  # cpu_attention.c's QFMT_*
+_QUANT_VIEWS = ("k", "k_scale", "k_zero", "v", "v_scale", "v_zero")
+
+
+def supports(fmt: str, residual_dtype: torch.dtype | None = None) -> bool:
+    """Whether the C kernel reads ``fmt`` pages (quantized ones with an fp32 residual)."""
+    if fmt in _SYMBOLS:
+        return True
+    return fmt in _QUANT_CODES and residual_dtype in (None, torch.float32)
 
 
 def paged_decode_attention_cpu(
@@ -35,16 +51,26 @@ def paged_decode_attention_cpu(
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
     library: CpuLibrary | None = None,
+    residual_k: torch.Tensor | None = None,
+    residual_v: torch.Tensor | None = None,
+    residual_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q (B, Hq, D) -> (B, Hq, D) in q's dtype, computed in fp32, over float-format pages.
+    """q (B, Hq, D) -> (B, Hq, D) in q's dtype, computed in fp32.
 
-    Same contract as ``paged_decode_attention_torch`` for float formats: the keys are the
-    first ``context_lens[b]`` positions of sequence b's pages (the new token's own K/V already
-    written), the last ``sliding_window`` of them if given. ``library``: a specific build,
-    else the one ``cpu_native.build()`` loaded.
+    Same contract as ``paged_decode_attention_torch``: the keys are the first
+    ``context_lens[b]`` positions of sequence b's pages (the new token's own K/V already
+    written), the last ``sliding_window`` of them if given; quantized formats read the
+    partial last page from ``residual_k/v[residual_slots[b]]`` (fp32, (R, bs, Hkv, D)).
+    ``library``: a specific build, else the one ``cpu_native.build()`` loaded.
     """
+    if fmt in QUANT_FORMATS:
+        return _quantized(
+            q, fmt, cache, block_tables, context_lens, scale, sliding_window, out, library,
+            residual_k, residual_v, residual_slots,
+        )  # fmt: skip
     if fmt not in _SYMBOLS:
-        raise ValueError(f"the CPU kernel reads float formats {sorted(_SYMBOLS)}, got {fmt!r}")
+        formats = sorted(_SYMBOLS) + list(QUANT_FORMATS)
+        raise ValueError(f"the CPU kernel reads formats {formats}, got {fmt!r}")
     bs, Hkv, D = check_cache(fmt, cache, None, None)
     if q.dim() != 3 or q.shape[2] != D or q.shape[1] % Hkv:
         raise ValueError(f"q must be (B, Hq, {D}) with Hq a multiple of {Hkv}, got {q.shape}")
@@ -86,6 +112,56 @@ def paged_decode_attention_cpu(
         )
         if rc:
             raise MemoryError("the CPU attention kernel could not allocate its score buffer")
+    o = o.to(q.dtype)
+    if out is None:
+        return o
+    out.copy_(o)
+    return out
+
+
+def _quantized(
+    q, fmt, cache, block_tables, context_lens, scale, sliding_window, out, library,
+    residual_k, residual_v, residual_slots,
+) -> torch.Tensor:  # fmt: skip
+    bs, Hkv, D = check_cache(fmt, cache, residual_k, residual_v)
+    if q.dim() != 3 or q.shape[2] != D or q.shape[1] % Hkv:
+        raise ValueError(f"q must be (B, Hq, {D}) with Hq a multiple of {Hkv}, got {q.shape}")
+    B, Hq, _ = q.shape
+    check_index(block_tables, "block_tables", (B, None))
+    check_index(context_lens, "context_lens", (B,))
+    if residual_slots is None:
+        residual_slots = torch.full((B,), -1, dtype=torch.int64)
+    check_index(residual_slots, "residual_slots", (B,))
+    for name, r in (("residual_k", residual_k), ("residual_v", residual_v)):
+        if r.dtype != torch.float32 or not r.is_contiguous():
+            raise ValueError(f"{name} must be contiguous float32 for the CPU kernel, got {r.dtype}")
+    if B and int(residual_slots.max()) >= residual_k.shape[0]:
+        raise ValueError(f"residual_slots name a slot >= {residual_k.shape[0]}")
+    # every component of the pool lies at the same byte stride from page to page
+    stride = cache["k"].stride(0) * cache["k"].element_size()
+    for name, t in cache.items():
+        if t.stride(0) * t.element_size() != stride or not t[0].is_contiguous():
+            raise ValueError(f"view {name!r} is not a dense component of a page-major pool")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    if B and int(block_tables.shape[1]) * bs < int(context_lens.max()):
+        raise ValueError("block_tables have fewer pages than context_lens need")
+    qf = q.detach().to(torch.float32).contiguous()
+    tables, lens, slots = (t.contiguous() for t in (block_tables, context_lens, residual_slots))
+    o = torch.empty((B, Hq, D), dtype=torch.float32)
+    if B:
+        ptr = [cache[n].data_ptr() if n in cache else None for n in _QUANT_VIEWS]
+        fn = (library or default_library()).fn("kvmesh_decode_attention_quant")
+        rc = fn(
+            _QUANT_CODES[fmt], qf.data_ptr(), *ptr, residual_k.data_ptr(), residual_v.data_ptr(),
+            tables.data_ptr(), lens.data_ptr(), slots.data_ptr(), o.data_ptr(),
+            B, tables.shape[1], Hq, Hkv, D, bs, stride, float(scale), sliding_window or 0,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if rc == 1:
+            raise MemoryError("the CPU attention kernel could not allocate its scratch")
+        if rc:
+            raise ValueError(f"the CPU attention kernel rejected {fmt} pages with head_size {D}")
     o = o.to(q.dtype)
     if out is None:
         return o

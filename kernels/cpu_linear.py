@@ -1,24 +1,31 @@
-"""Linear layers with MKL-prepacked weights, for small batches on x86 CPUs.
+"""Linear layers on CPU with the GEMM chosen by measurement (``kernels.autotune``).
 
 ``F.linear`` repacks the weight matrix on every call, and at decode batch sizes that packing
-dominates the product. MKL's packed SGEMM (``torch.ops.mkl``) packs the weight once.
+can dominate the product. Two libraries torch ships pack it once:
 
-MKL's packed product is fast only when the row count equals the one the packing was made
-for (``pack_rows``, 32): at 16 or 48 rows it is no faster than ``F.linear``. So rows are
-padded with zeros to a multiple of 32 and multiplied 32 at a time (rows of a GEMM are
-independent: padding changes no row's result); from 16 rows up the results are
-bit-identical to ``F.linear``. Up to ``min_packed_rows`` (8; the single-sequence decode
-shape) and above ``max_packed_rows`` (64; prefill chunks) ``F.linear`` is as fast or faster
-and runs instead. What this gains, measured: docs/architecture.md, "Performance on CPU".
+* MKL's packed SGEMM (``torch.ops.mkl``): fast only when the row count equals the one the
+  packing was made for (``pack_rows``, 32), so rows are padded with zeros to a multiple of
+  32 and multiplied 32 at a time (rows of a GEMM are independent: padding changes no row's
+  result). From 16 rows up its results are bit-identical to ``F.linear``.
+* oneDNN (``torch.ops.mkldnn._linear_pointwise``) over a weight reordered once into its
+  blocked layout, as vLLM's CPU build runs; it differs from ``F.linear`` by rounding.
 
-The torch twin is ``F.linear`` itself: ``PackedLinear`` falls back to it when MKL is absent
-(ARM, non-MKL builds) and for dtypes other than float32.
+Which is fastest depends on the CPU (an AVX-512 Xeon favoured MKL packed for 9-64 rows; a
+2-core EPYC favours oneDNN at nearly every size and MKL packed is slowest there), so
+``PackedLinear`` asks a ``GemmTuner`` per row bucket, which measures the candidates once per
+machine and caches the choice. Packed copies are made when a bucket first chooses them (each
+costs one more copy of the weight in memory).
+
+The torch twin is ``F.linear`` itself: ``PackedLinear`` falls back to it when MKL / oneDNN
+are absent (ARM, non-MKL builds) and for dtypes other than float32.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from kvmesh.kernels import autotune
 
 
 def mkl_packing_available() -> bool:
@@ -28,12 +35,21 @@ def mkl_packing_available() -> bool:
         return False
 
 
-class PackedLinear:
-    """``y = x @ weight.T + bias`` with the weight prepacked for small row counts.
+def onednn_available() -> bool:
+    try:
+        return torch.backends.mkldnn.is_available() and hasattr(
+            torch.ops.mkldnn, "_linear_pointwise"
+        )
+    except (AttributeError, RuntimeError):
+        return False
 
-    ``weight``: (N, K) float32 on CPU. The packed copy is built once (it costs one more copy
-    of the weight in memory). ``pack_rows`` is the row count MKL tunes the packing for and
-    the chunk the rows are multiplied in.
+
+class PackedLinear:
+    """``y = x @ weight.T + bias`` with the GEMM each row bucket measured fastest.
+
+    ``weight``: (N, K) on CPU; float32 takes the tuned paths, other dtypes ``F.linear``.
+    ``tuner``: a ``GemmTuner`` (default: the process's, ``autotune.default_tuner()``).
+    ``pack_rows``: the row count MKL's packing is made for and the chunk its rows run in.
     """
 
     def __init__(
@@ -42,25 +58,41 @@ class PackedLinear:
         bias: torch.Tensor | None = None,
         *,
         pack_rows: int = 32,
-        min_packed_rows: int = 8,
-        max_packed_rows: int = 64,
+        tuner: autotune.GemmTuner | None = None,
     ):
         self.weight = weight
         self.bias = bias
-        self.min_packed_rows = min_packed_rows
-        self.max_packed_rows = max_packed_rows
         self.pack_rows = pack_rows
-        self.packed = None
-        cpu_fp32 = weight.device.type == "cpu" and weight.dtype == torch.float32
-        if cpu_fp32 and mkl_packing_available():
-            self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.contiguous(), pack_rows)
+        self._tuner = tuner
+        self.tunable = weight.device.type == "cpu" and weight.dtype == torch.float32
+        self.packed = None  # MKL's packed copy, made on first use
+        self.onednn_weight = None  # oneDNN's reordered copy, made on first use
+        self._plans: dict[int, dict[int, str]] = {}  # threads -> row bucket -> candidate
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        packed_rows = self.min_packed_rows < rows <= self.max_packed_rows
-        if self.packed is None or not packed_rows or x.dtype != torch.float32:
-            return F.linear(x, self.weight, self.bias)
-        pr = self.pack_rows
+    @property
+    def tuner(self) -> autotune.GemmTuner:
+        if self._tuner is None:
+            self._tuner = autotune.default_tuner()
+        return self._tuner
+
+    @property
+    def plan(self) -> dict[int, str]:
+        """Row bucket -> candidate, for the thread count now (a choice measured with 2
+        threads says nothing about 16)."""
+        return self._plans.setdefault(torch.get_num_threads(), {})
+
+    @property
+    def shape(self) -> tuple[int, int, bool]:
+        return (self.weight.shape[0], self.weight.shape[1], self.bias is not None)
+
+    # ------------------------------------------------------------------ candidates
+
+    def _mkl(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            self.packed = torch.ops.mkl._mkl_reorder_linear_weight(
+                self.weight.contiguous(), self.pack_rows
+            )
+        rows, pr = x.shape[0], self.pack_rows
         padded = -(-rows // pr) * pr
         if padded != rows:
             xp = x.new_zeros((padded, x.shape[1]))
@@ -73,3 +105,71 @@ class PackedLinear:
         ]  # (pr, N) each
         y = outs[0] if len(outs) == 1 else torch.cat(outs)
         return y[:rows]
+
+    def _onednn(self, x: torch.Tensor) -> torch.Tensor:
+        if self.onednn_weight is None:
+            self.onednn_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.contiguous())
+        return torch.ops.mkldnn._linear_pointwise(
+            x.contiguous(), self.onednn_weight, self.bias, "none", [], ""
+        )
+
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def _candidates(self) -> dict:
+        c = {"linear": self._linear}
+        if mkl_packing_available():
+            c["mkl"] = self._mkl
+        if onednn_available():
+            c["onednn"] = self._onednn
+        return c
+
+    def _choose(self, rows: int) -> str:
+        b = autotune.bucket(rows)
+        plan = self.plan
+        got = plan.get(b)
+        if got is None:
+            cands = self._candidates()
+            tuned = self.tuner.mode in ("auto", "exact")
+            if len(cands) == 1 or (tuned and b > autotune.MAX_TUNED_ROWS):
+                got = "linear"
+            else:
+                g = torch.Generator().manual_seed(b)
+                x = torch.randn(b, self.weight.shape[1], generator=g)
+                calls = {n: (lambda f=f: f(x)) for n, f in cands.items()}
+                got = self.tuner.choose(self.shape, b, calls, lambda n: self._exact(cands[n], b))
+                self._drop_unused(got)
+            plan[b] = got
+        return got
+
+    def _exact(self, f, b: int) -> bool:
+        """Whether candidate ``f`` equals ``F.linear`` bit for bit at every row count of
+        bucket ``b`` (up to 64 rows; above, at its ends and middle): GEMM libraries pick
+        kernels by row count, so one size proves nothing about the next."""
+        lo = b // 2 + 1
+        counts = range(lo, b + 1) if b <= 64 else (lo, (lo + b) // 2, b)
+        g = torch.Generator().manual_seed(b + 1)
+        for r in counts:
+            x = torch.randn(r, self.weight.shape[1], generator=g)
+            if not torch.equal(f(x), self._linear(x)):
+                return False
+        return True
+
+    def _drop_unused(self, chosen: str) -> None:
+        """Free the packed copies tuning made that no bucket runs (re-made if one does)."""
+        used = {c for p in self._plans.values() for c in p.values()} | {chosen}
+        if "mkl" not in used:
+            self.packed = None
+        if "onednn" not in used:
+            self.onednn_weight = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        cpu_fp32 = x.dtype == torch.float32 and x.device.type == "cpu"
+        if not self.tunable or not cpu_fp32 or x.dim() != 2 or x.shape[0] == 0:
+            return self._linear(x)
+        choice = self._choose(x.shape[0])
+        if choice == "mkl":
+            return self._mkl(x)
+        if choice == "onednn":
+            return self._onednn(x)
+        return self._linear(x)

@@ -1,4 +1,5 @@
-"""Build and load kvmesh's C kernels for CPUs (``cpu_attention.c``, ``cpu_ops.c``).
+"""Build and load kvmesh's C kernels for CPUs (``cpu_attention.c``, ``cpu_ops.c``,
+``cpu_quant.c``).
 
 ``build()`` compiles the sources into one shared library with the system C compiler, in a
 build directory (the engine passes ``$KVMESH_CACHE_DIR/kernels`` and ``$CC``, read by
@@ -30,10 +31,14 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("cpu_attention.c", "cpu_ops.c"))
-ABI = 2
+SOURCES = tuple(
+    Path(__file__).with_name(n) for n in ("cpu_attention.c", "cpu_ops.c", "cpu_quant.c")
+)
+ABI = 3
 NATIVE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off")
 PORTABLE_FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off")  # scalar paths
+# the AVX2 (+FMA, F16C) path on an AVX-512 machine, for tests: native with AVX-512 turned off
+AVX2_FLAGS = (*NATIVE_FLAGS, "-mno-avx512f")
 
 # glibc on x86-64 ships libmvec, vector versions of expf & co. that let loops vectorise
 _MVEC = platform.machine() in ("x86_64", "AMD64") and platform.libc_ver()[0] == "glibc"
@@ -46,6 +51,11 @@ SIGNATURES = {
         f"kvmesh_decode_attention_{t}": [_P] * 6 + [_I] * 7 + [_F, _I, _N]
         for t in ("f32", "bf16", "f16")
     },
+    # (fmt, q, k, k_scale, k_zero, v, v_scale, v_zero, residual k, v, tables, lens, slots,
+    #  out, B, P, Hq, Hkv, D, bs, page stride in bytes, scale, window, threads)
+    "kvmesh_decode_attention_quant": [_N] + [_P] * 13 + [_I] * 7 + [_F, _I, _N],
+    # (fmt, k, v, n, bs, H, D, page ids, 6 component bases, page stride in bytes, threads)
+    "kvmesh_quantize_pages": [_N, _P, _P] + [_I] * 4 + [_P] * 7 + [_I, _N],
     "kvmesh_rmsnorm_f32": [_P, _P, _P, _I, _I, _F, _N],
     "kvmesh_add_rmsnorm_f32": [_P, _P, _P, _P, _I, _I, _F, _N],
     "kvmesh_rotary_f32": [_P, _P, _P, _I, _I, _I, _I, _N],
@@ -129,7 +139,8 @@ class CpuLibrary:
         if lib.kvmesh_cpu_abi() != ABI:
             raise CpuKernelError(f"stale CPU kernel library {path} (ABI != {ABI}): delete it")
         self.path = path
-        self.vectorized = bool(lib.kvmesh_cpu_attention_vectorized())
+        self.vector_bits = int(lib.kvmesh_cpu_attention_vectorized())  # 512, 256 or 0
+        self.vectorized = self.vector_bits > 0
         self._fns = {}
         for name, argtypes in SIGNATURES.items():
             fn = getattr(lib, name)

@@ -26,6 +26,7 @@ ALIGN = 16
 FLOAT_FORMATS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 QUANT_FORMATS = ("fp8", "int8", "int4")
 CACHE_FORMATS = ("auto", *FLOAT_FORMATS, *QUANT_FORMATS)
+ATTENTION_LAYOUTS = ("mha", "mla")
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,9 @@ class Component:
         return n
 
 
-def _components(fmt: str, bs: int, H: int, D: int) -> list[Component]:
+def _components(fmt: str, bs: int, H: int, D: int, attention: str = "mha") -> list[Component]:
+    if attention == "mla":  # one latent row per token: [c_kv (rank), k_pe (rope_dim)]
+        return [Component("latent", FLOAT_FORMATS[fmt], (bs, D))]
     if fmt in FLOAT_FORMATS:
         dt = FLOAT_FORMATS[fmt]
         return [Component("k", dt, (bs, H, D)), Component("v", dt, (bs, H, D))]
@@ -72,6 +75,12 @@ class PageLayout:
     num_kv_heads: int
     head_size: int
     block_size: int
+    # "mha": per-head K and V (Llama-family GQA/MQA). "mla": multi-head latent attention
+    # (DeepSeek-V2/V3): per token and layer one row of head_size values, the compressed KV
+    # latent (head_size - rope_dim, after kv_a_layernorm) then the rotary key (rope_dim,
+    # after rotary); num_kv_heads is 1
+    attention: str = "mha"
+    rope_dim: int = 0
     components: tuple[Component, ...] = field(init=False)
     offsets: tuple[int, ...] = field(init=False)  # byte offset of each component in a layer
     layer_nbytes: int = field(init=False)
@@ -82,8 +91,32 @@ class PageLayout:
         for name in ("num_layers", "num_kv_heads", "head_size", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.attention not in ATTENTION_LAYOUTS:
+            raise ValueError(
+                f"unknown page attention layout {self.attention!r}; accepted: {ATTENTION_LAYOUTS}"
+            )
+        if self.attention == "mla":
+            if self.cache_format not in FLOAT_FORMATS:
+                raise ValueError(
+                    f"kv_cache_dtype {self.cache_format!r} is not offered for MLA latent pages; "
+                    f"accepted: {', '.join(FLOAT_FORMATS)} (docs/formats.md measures int8/fp8)"
+                )
+            if self.num_kv_heads != 1 or not 0 < self.rope_dim < self.head_size:
+                raise ValueError(
+                    f"an MLA page has num_kv_heads 1 and 0 < rope_dim < head_size, got "
+                    f"num_kv_heads={self.num_kv_heads} rope_dim={self.rope_dim} "
+                    f"head_size={self.head_size}"
+                )
+        elif self.rope_dim:
+            raise ValueError(f"rope_dim is for MLA pages only, got {self.rope_dim}")
         comps = tuple(
-            _components(self.cache_format, self.block_size, self.num_kv_heads, self.head_size)
+            _components(
+                self.cache_format,
+                self.block_size,
+                self.num_kv_heads,
+                self.head_size,
+                self.attention,
+            )
         )
         offsets, off = [], 0
         for c in comps:
@@ -92,6 +125,19 @@ class PageLayout:
         object.__setattr__(self, "components", comps)
         object.__setattr__(self, "offsets", tuple(offsets))
         object.__setattr__(self, "layer_nbytes", off)
+
+    @property
+    def name(self) -> str:
+        """What a stored page's header says of its layout (kvstore.codec): ``mha``, or
+        ``mla-r{latent rank}-rope{rope_dim}``, so an MLA page is never read as a GQA page."""
+        if self.attention == "mha":
+            return "mha"
+        return f"mla-r{self.head_size - self.rope_dim}-rope{self.rope_dim}"
+
+    @property
+    def kv_rank(self) -> int:
+        """MLA pages: the compressed latent's width (the rest of a row is the rotary key)."""
+        return self.head_size - self.rope_dim
 
     @property
     def quantized(self) -> bool:
@@ -108,7 +154,8 @@ class PageLayout:
 
     @property
     def bits_per_value(self) -> float:
-        values = self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_size
+        per_token = self.num_kv_heads * self.head_size * (1 if self.attention == "mla" else 2)
+        values = self.num_layers * self.block_size * per_token
         return self.page_nbytes * 8 / values
 
     def allocate(self, num_pages: int, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -30,6 +30,7 @@ _LEN = struct.Struct("<I")
 # parse megabytes of garbage as msgpack).
 _MAX_HEADER_BYTES = 4096
 _HEX = re.compile(r"[0-9a-f]+")
+_LAYOUT = re.compile(r"mha|mla-r[0-9]+-rope[0-9]+")
 
 Buffer = bytes | bytearray | memoryview
 
@@ -58,6 +59,10 @@ class PageSpec:
     head_size: int
     block_size: int
     page_nbytes: int
+    # the page's inner layout (kernels.page_format.PageLayout.name): "mha" for per-head K/V,
+    # "mla-r{rank}-rope{rope}" for DeepSeek latent pages. Objects written before this field
+    # existed carry none and read as "mha"
+    layout: str = "mha"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_fp, str) or not _HEX.fullmatch(self.model_fp):
@@ -73,6 +78,10 @@ class PageSpec:
             raise ValueError(
                 "cache_format must be a non-empty string without ':' or surrounding spaces "
                 f"(e.g. 'fp16', 'int4'), got {self.cache_format!r}"
+            )
+        if not isinstance(self.layout, str) or not _LAYOUT.fullmatch(self.layout):
+            raise ValueError(
+                f"layout must be 'mha' or 'mla-r<rank>-rope<dim>', got {self.layout!r}"
             )
         for name in ("num_layers", "num_kv_heads", "head_size", "block_size", "page_nbytes"):
             value = getattr(self, name)
@@ -115,6 +124,7 @@ def encode(spec: PageSpec, payload: Buffer) -> bytes:
             "num_kv_heads": spec.num_kv_heads,
             "head_size": spec.head_size,
             "block_size": spec.block_size,
+            "layout": spec.layout,
             "payload_len": view.nbytes,
             "checksum": checksum(view),
         }
@@ -156,13 +166,16 @@ def decode(spec: PageSpec, obj: Buffer) -> memoryview:
 
     Raises ``PageCodecError`` naming the first field that does not match: header, magic,
     version, model_fp, cache_format, num_layers, num_kv_heads, head_size, block_size,
-    payload_len (including a truncated object), checksum.
+    layout, payload_len (including a truncated object), checksum.
     """
     header, start = read_header(obj)
     for name in (*_SHAPE_FIELDS, "block_size"):
         got, want = header.get(name), getattr(spec, name)
         if got != want:
             raise PageCodecError(name, f"object has {got!r}, reader expects {want!r}")
+    got = header.get("layout", "mha")  # objects from before the field were all "mha"
+    if got != spec.layout:
+        raise PageCodecError("layout", f"object has {got!r}, reader expects {spec.layout!r}")
     view = memoryview(obj).cast("B")
     n = header.get("payload_len")
     if n != spec.page_nbytes:

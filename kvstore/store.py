@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from kvmesh.kvstore.codec import (
     Buffer,
@@ -36,6 +38,18 @@ logger = logging.getLogger(__name__)
 # tiers whose contents the store reports as block events; a peer tier is another worker's,
 # which that worker reports itself
 REPORTED_TIERS = frozenset({"host", "redis"})
+
+
+@dataclass
+class FlushResult:
+    """What ``TieredStore.flush_down`` did: pages ``written`` to ``tier``, ``already`` there,
+    ``left`` behind (the time bound or a tier fault), and whether the time ran out."""
+
+    tier: str | None = None
+    written: int = 0
+    already: int = 0
+    left: int = 0
+    timed_out: bool = False
 
 
 class TieredStore:
@@ -186,6 +200,43 @@ class TieredStore:
             for tier in self.tiers:
                 tier.evict(hashes)
                 self._report(tier, removed=hashes)
+
+    def flush_down(self, timeout_s: float = 30.0, batch: int = 64) -> FlushResult:
+        """Copy every page of a first-in-line HostTier to the tier below it (Redis) that it
+        does not hold yet, most recently used first, in batches, until ``timeout_s`` runs out
+        (a clean shutdown: host RAM dies with the process, the shared tier outlives it). The
+        host tier keeps its copies. The pages written are reported as stored in that tier.
+        A store whose first tier is not a HostTier, or with nothing below it, has nothing to
+        flush. Never raises for a tier fault: what was not written is counted as left."""
+        res = FlushResult()
+        first = self.tiers[0]
+        if not isinstance(first, HostTier) or len(self.tiers) < 2:
+            return res
+        below = self.tiers[1]
+        res.tier = below.name
+        deadline = time.monotonic() + timeout_s
+        keys = first.keys()[::-1]  # most recently used first: the time bound may cut the rest
+        for at in range(0, len(keys), batch):
+            if time.monotonic() >= deadline:
+                res.left += len(keys) - at
+                res.timed_out = True
+                break
+            part = keys[at : at + batch]
+            try:
+                there = below.contains(part)
+                todo = [h for h, x in zip(part, there) if not x]
+                res.already += len(part) - len(todo)
+                objs = first.get(todo) if todo else []
+                items = [(h, o) for h, o in zip(todo, objs) if o is not None]
+                kept = below.put(items) if items else []
+            except Exception as e:  # a tier must not turn a shutdown into a crash
+                logger.warning("flushing %d pages to %s failed: %r", len(part), below.name, e)
+                res.left += len(part)
+                continue
+            self._report(below, stored=kept)
+            res.written += len(kept)
+            res.left += len(items) - len(kept)
+        return res
 
     def metrics(self) -> dict[str, dict[str, int]]:
         """Per tier: ``hits``, ``misses`` (pages asked of it by ``get``), ``corrupt`` (objects

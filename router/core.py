@@ -27,7 +27,7 @@ import logging
 import random
 import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
@@ -165,6 +165,15 @@ class RouterCore:
         # dropped (``remove_worker(..., dead=True)``): the server cancels its calls to it
         self.on_dead: list[Callable[[str, str], None]] = []
         self.metrics = None  # a router.metrics.RouterMetrics, fed as things happen
+        # autoscaling (cluster/autoscale.py): workers being retired get no new requests;
+        # TTFTs of recent requests (monotonic time, seconds) feed the scale-up signal;
+        # the controller's decisions, newest last, with their reasons and inputs
+        self.draining: set[str] = set()
+        self._assigned_at: dict[str, float] = {}
+        self.ttfts: deque[tuple[float, float]] = deque(maxlen=4096)
+        self.scaling: deque[dict] = deque(maxlen=64)
+        self.scaling_counts: Counter[str] = Counter()
+        self.autoscale_config: dict | None = None
 
     def _make_policy(self, name: str):
         return make_policy(name, rng=random.Random(self._seed))
@@ -272,13 +281,18 @@ class RouterCore:
         if rec is not None:
             rec.last_heard = self._clock()
 
-    def remove_worker(self, worker_id: str, reason: str, *, dead: bool = False) -> bool:
+    def remove_worker(
+        self, worker_id: str, reason: str, *, dead: bool = False, keep_redis: bool = False
+    ) -> bool:
         """Drop a worker from routing, from the index and from the in-flight counts.
         Returns whether it was known. ``dead``: it is gone or does not answer (a failed
         health check, no report, a restart), so the ``on_dead`` listeners cut the calls in
-        flight to it; a worker that leaves by itself (draining) finishes them."""
+        flight to it; a worker that leaves by itself (draining) finishes them.
+        ``keep_redis``: the pages it wrote to Redis stay credited (a retired worker that
+        flushed its cache there)."""
         rec = self.workers.pop(worker_id, None)
-        self.index.remove_worker(worker_id)
+        self.draining.discard(worker_id)
+        self.index.remove_worker(worker_id, keep_redis=keep_redis)
         self.inflight.drop_worker(worker_id)
         if rec is None:
             return False
@@ -328,7 +342,11 @@ class RouterCore:
         excluded workers failed it): the metrics do not count its prompt again. Raises
         NoWorkerError when no worker is left."""
         skip = set(exclude)
-        loads = {wid: self.load_of(wid) for wid in self.workers if wid not in skip}
+        loads = {
+            wid: self.load_of(wid)
+            for wid in self.workers
+            if wid not in skip and wid not in self.draining
+        }
         if not loads:
             raise NoWorkerError(
                 "no worker is available"
@@ -353,15 +371,72 @@ class RouterCore:
         )
         self.workers[decision.worker_id].routed += 1
         self.decisions[decision.reason] += 1
+        self._assigned_at.setdefault(request_id, self._clock())  # a retry keeps its start
         return decision
 
     def first_token(self, request_id: str) -> None:
         """The request streamed its first token: its prefill no longer loads its worker."""
         self.inflight.first_token(request_id)
+        t0 = self._assigned_at.pop(request_id, None)
+        if t0 is not None:
+            now = self._clock()
+            self.ttfts.append((now, now - t0))
 
     def release(self, request_id: str) -> None:
         """The request's stream closed (finished, failed or aborted)."""
         self.inflight.end(request_id)
+        self._assigned_at.pop(request_id, None)
+
+    # ------------------------------------------------------------ autoscaling
+
+    def begin_retire(self, worker_id: str) -> bool:
+        """Stop routing new requests to a worker the autoscaler retires (its requests in
+        flight finish). Returns whether the worker is known."""
+        if worker_id not in self.workers:
+            return False
+        self.draining.add(worker_id)
+        logger.info("worker %s draining: the autoscaler retires it", worker_id)
+        return True
+
+    def ttft_p99(self, look_back_s: float) -> float | None:
+        """The nearest-rank p99 TTFT (router-side: routing to first token) of the requests
+        whose first token came in the last ``look_back_s`` seconds (None: none did)."""
+        since = self._clock() - look_back_s
+        xs = sorted(t for at, t in self.ttfts if at >= since)
+        if not xs:
+            return None
+        return xs[min(len(xs) - 1, max(0, -(-99 * len(xs) // 100) - 1))]
+
+    def autoscale_view(self, look_back_s: float = 30.0) -> dict:
+        """What the autoscaler decides from: the fleet's load over the live (not draining)
+        workers, the router's TTFT p99, and per worker its slot name, requests in flight and
+        unique pages (``PrefixIndex.unique_pages``)."""
+        live = [wid for wid in self.workers if wid not in self.draining]
+        loads = {wid: self.load_of(wid) for wid in live}
+        return {
+            "workers": {
+                wid: {
+                    "name": self.workers[wid].name,
+                    "in_flight": self.inflight.of(wid).requests,
+                    "unique_pages": self.index.unique_pages(wid),
+                }
+                for wid in live
+            },
+            "draining": sorted(self.draining),
+            "waiting": sum(ld.waiting for ld in loads.values()),
+            "running": sum(ld.running for ld in loads.values()),
+            "queued_prefill_tokens": sum(ld.queued_prefill_tokens for ld in loads.values()),
+            "kv_usage": (sum(ld.kv_usage for ld in loads.values()) / len(loads)) if loads else 0.0,
+            "ttft_p99_s": self.ttft_p99(look_back_s),
+        }
+
+    def record_scaling(self, decision: dict) -> None:
+        """Keep an autoscaling decision (``cluster.autoscale.ScaleDecision.as_dict``) for
+        ``stats`` and the metrics."""
+        self.scaling.append(dict(decision))
+        self.scaling_counts[str(decision.get("action"))] += 1
+        if self.metrics is not None:
+            self.metrics.on_scaling(decision)
 
     def peers_for(self, decision: Decision, limit: int = 2) -> list[str]:
         """KVTransfer addresses of the workers holding more of this prompt's leading pages
@@ -433,4 +508,10 @@ class RouterCore:
             "decisions": dict(self.decisions),
             "retries": self.retries,
             "removed": list(self.removed),
+            "autoscale": {
+                "config": self.autoscale_config,
+                "draining": sorted(self.draining),
+                "decisions": list(self.scaling)[-16:],
+                "counts": dict(self.scaling_counts),
+            },
         }

@@ -37,6 +37,7 @@ _REMOVAL_CAUSES = (
     ("health ping failed", "health_check"),
     ("Generate failed", "unavailable"),
     ("shutdown", "shutdown"),
+    ("retired", "retired"),
 )
 
 
@@ -117,6 +118,21 @@ class RouterMetrics:
         )
         for status in ("resync", "unknown"):
             self.resyncs.labels(*m, status)
+        # autoscaling (cluster/autoscale.py): each decision by action (up, down) and cause
+        # (the first word of its reason: high_load, low_load, min_workers, max_workers)
+        self.scaling = Counter(
+            PREFIX + "autoscale_decisions",
+            "Autoscaling decisions carried out, by action (up, down) and cause (high_load, "
+            "low_load, min_workers, max_workers).",
+            ["model_name", "action", "cause"],
+            registry=reg,
+        )
+        self.scaling_flushed = Counter(
+            PREFIX + "autoscale_flushed_pages",
+            "Pages retired workers wrote down to the shared tier before they left.",
+            ["model_name"],
+            registry=reg,
+        ).labels(*m)
         self.run = run or (lambda fn: fn())
         reg.register(_RouterCollector(self))
 
@@ -155,6 +171,16 @@ class RouterMetrics:
     def on_resync(self, status: str) -> None:
         self.resyncs.labels(self.model_name, status).inc()
 
+    def on_scaling(self, decision: dict) -> None:
+        """An autoscaling decision was carried out (``ScaleDecision.as_dict``)."""
+        self.scaling.labels(
+            self.model_name, str(decision.get("action")), str(decision.get("cause"))
+        ).inc()
+        flush = decision.get("flush") or {}
+        n = int(flush.get("pages_written", 0))
+        if n > 0:
+            self.scaling_flushed.inc(n)
+
 
 def _snapshot(core: RouterCore) -> dict:
     """What the collector reads, taken on the core's loop in one go."""
@@ -172,6 +198,9 @@ def _snapshot(core: RouterCore) -> dict:
         "index": dict(vars(core.index.stats)),
         "retries": core.retries,
         "policy": core.policy.name,
+        "draining": len(core.draining),
+        "autoscale": core.autoscale_config,
+        "last_scaling": list(core.scaling)[-3:],
     }
 
 
@@ -255,6 +284,37 @@ class _RouterCollector(Collector):
         for outcome in ("inserted", "confirmed", "expired"):
             opt.add_metric([*mn, outcome], snap["index"][f"optimistic_{outcome}"])
         yield opt
+        draining = GaugeMetricFamily(
+            PREFIX + "autoscale_draining_workers",
+            "Workers the autoscaler is retiring (no new requests; flushing their cache).",
+            labels=["model_name"],
+        )
+        draining.add_metric(mn, snap["draining"])
+        yield draining
+        cfg = snap["autoscale"]
+        if cfg:
+            bounds = GaugeMetricFamily(
+                PREFIX + "autoscale_bounds",
+                "The autoscaler's worker bounds (bound: min, max).",
+                labels=["model_name", "bound"],
+            )
+            bounds.add_metric([*mn, "min"], cfg["min_workers"])
+            bounds.add_metric([*mn, "max"], cfg["max_workers"])
+            yield bounds
+        last = GaugeMetricFamily(
+            PREFIX + "autoscale_decision_info",
+            "The latest autoscaling decisions (at most 3), value: when (unix seconds), with "
+            "their action, worker counts, cause, reason and the worker retired or started.",
+            labels=["model_name", "action", "from_workers", "to_workers", "cause", "reason",
+                    "worker"],
+        )  # fmt: skip
+        for d in snap["last_scaling"]:
+            last.add_metric(
+                [*mn, str(d.get("action")), str(d.get("from_workers")), str(d.get("to_workers")),
+                 str(d.get("cause")), str(d.get("reason")), str(d.get("worker") or "")],
+                float(d.get("at", 0.0)),
+            )  # fmt: skip
+        yield last
 
 
 __all__ = ["RouterMetrics", "removal_cause"]

@@ -37,6 +37,8 @@ HOST = "host"
 REDIS = "redis"
 PEER = "peer"
 TIERS = (DEVICE, HOST, REDIS, PEER)
+# the owner of Redis pages a retired worker left there (PrefixIndex.remove_worker)
+REDIS_ORPHAN = "(retired)"
 
 WorkerId = Hashable
 
@@ -171,13 +173,38 @@ class PrefixIndex:
             w = self._workers[worker_id] = _Worker(shift=shift)
         return w
 
-    def remove_worker(self, worker_id: WorkerId) -> None:
-        """Forget a worker and every page it reported (its Redis reports included)."""
+    def remove_worker(self, worker_id: WorkerId, *, keep_redis: bool = False) -> None:
+        """Forget a worker and every page it reported. Its Redis reports go too, unless
+        ``keep_redis``: a worker that left cleanly (retired after writing its cache down to
+        Redis) leaves its Redis pages credited to every worker, held by ``REDIS_ORPHAN``
+        until some worker reports them gone."""
         w = self._workers.get(worker_id)
         if w is not None:
+            if keep_redis:
+                for h in w.redis:
+                    owners = self._redis.get(h)
+                    if owners is not None:
+                        owners.add(REDIS_ORPHAN)
+                w.redis = set()
             self._drop_pages(worker_id, w, keep_optimistic=False)
             del self._workers[worker_id]
             self._free_shifts.append(w.shift)
+
+    def unique_pages(self, worker_id: WorkerId) -> int:
+        """Pages only this worker holds: in its own device or host tier, in no other
+        worker's, and not in Redis. What the cluster loses when it goes without a flush
+        (the autoscaler retires the worker with the fewest)."""
+        w = self._workers.get(worker_id)
+        if w is None:
+            return 0
+        own = (_DEVICE_BIT | _HOST_BIT | _PEER_BIT) << w.shift
+        shared = _IN_REDIS | ~(own | _AT_PEER | 3)  # Redis, or any other worker's bits
+        n = 0
+        state = self._state
+        for h in w.device | w.host:
+            if not state.get(h, 0) & shared:
+                n += 1
+        return n
 
     def reset(self, worker_id: WorkerId, engine_id: str, next_seq: int = 0) -> None:
         """Drop the worker's pages and trust its stream from ``engine_id``'s ``next_seq`` on.

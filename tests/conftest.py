@@ -8,6 +8,19 @@ import os
 # triton itself is imported anywhere in the session (tests/kernels/conftest.py checks).
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# GEMM choices are measured per session, not read from whatever a developer's
+# ~/.cache/kvmesh/autotune holds (a stale or foreign cache would pick the GEMMs the tests run).
+# Only the autotune file moves: the C kernels stay under KVMESH_CACHE_DIR/kernels, built once
+# per machine, not once per session. Worker subprocesses inherit the directory and share it.
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+if "KVMESH_AUTOTUNE_DIR" not in os.environ:
+    _autotune_dir = tempfile.mkdtemp(prefix="kvmesh-test-autotune-")
+    os.environ["KVMESH_AUTOTUNE_DIR"] = _autotune_dir
+    atexit.register(shutil.rmtree, _autotune_dir, True)
+
 import importlib.util  # noqa: E402
 from pathlib import Path
 

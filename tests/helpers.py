@@ -146,6 +146,67 @@ def register_worker(
     router.call(router.core.register, info)
 
 
+def make_test_pki(d, tokens: list[str], server_names: str = "IP:127.0.0.1,DNS:localhost"):
+    """A throwaway CA in ``d`` (``ca.pem``), a server certificate for ``server_names``
+    (``server.pem``/``.key``), a client certificate (``client.pem``/``.key``) and a token
+    file (``tokens``), made with the ``openssl`` CLI. Returns ``d``."""
+    import shutil
+    import subprocess
+
+    import pytest
+
+    if shutil.which("openssl") is None:
+        pytest.fail("the openssl CLI is needed to make the test CA: apt-get install openssl")
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
+            "-subj", "/CN=kvmesh test CA")  # fmt: skip
+    exts = {"server": f"subjectAltName={server_names}\n", "client": "extendedKeyUsage=clientAuth\n"}
+    for name, ext in exts.items():
+        (d / f"{name}.ext").write_text(ext)
+        openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr",
+                "-subj", f"/CN=kvmesh test {name}")  # fmt: skip
+        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+                "-CAcreateserial", "-out", f"{name}.pem", "-days", "1",
+                "-extfile", f"{name}.ext")  # fmt: skip
+    (d / "tokens").write_text("# one per line\n" + "\n".join(tokens) + "\n")
+    return d
+
+
+@contextlib.contextmanager
+def in_process_router(
+    worker, *, name: str = "test-worker", core_kw: dict | None = None, **server_kw
+):
+    """An in-process ``RouterServer`` in front of one in-process ``WorkerServer``, the worker
+    registered the way the Ray shell registers it. Nothing reports for that worker here, so
+    the core's report timeout is an hour (``core_kw`` adds or overrides core options);
+    ``server_kw`` goes to ``RouterServer`` (``tokenize`` defaults to the engine's
+    tokenizer)."""
+    from kvmesh.router.core import RouterCore
+    from kvmesh.router.service import RouterServer
+
+    eng = worker.engine.engine
+    core = RouterCore(**{"report_timeout_s": 3600.0, **(core_kw or {})})
+    server_kw.setdefault("tokenize", eng.tokenizer.encode)
+    srv = RouterServer(core, **server_kw)
+    srv.start_in_thread()
+    try:
+        register_worker(
+            srv,
+            worker_id=worker.worker_id,
+            address=worker.address,
+            model_fp=eng.model_fp,
+            block_size=eng.cache_config.block_size,
+            name=name,
+        )
+        yield srv
+    finally:
+        srv.stop_in_thread(grace=0)
+
+
 def member_channel(address: str, identity: ClusterIdentity = TEST_IDENTITY):
     """A plaintext grpc channel whose every call carries ``identity``'s credential: a test
     that talks to KVTransfer (or GetLoad) as a cluster member would."""

@@ -24,7 +24,7 @@ from kvmesh.kvstore.events import EventLog
 from kvmesh.kvstore.store import TieredStore
 from kvmesh.kvstore.tier import Tier
 from kvmesh.worker import envs
-from kvmesh.worker.attention import default_backend_name, get_backend
+from kvmesh.worker.attention import check_backend_name, default_backend_name, get_backend
 from kvmesh.worker.config import (
     CacheConfig,
     EvictionConfig,
@@ -37,7 +37,7 @@ from kvmesh.worker.kv_cache import KVCacheManager
 from kvmesh.worker.kv_connector import KVConnector, make_store
 from kvmesh.worker.kv_memory import KVMemory
 from kvmesh.worker.model_runner import ModelRunner
-from kvmesh.worker.models.llama import build_model
+from kvmesh.worker.models import build_model
 from kvmesh.worker.models.loader import (
     DEFAULT_MODEL,
     load_config,
@@ -176,8 +176,16 @@ class LLMEngine:
         self.connector.offloader.set_peer_auth(peer_identity, peer_tls)
         self.scheduler = Scheduler(self.scheduler_config, self.kv, self.connector)
         backend_name = attention_backend or default_backend_name(self.device.type)
-        self.backend = get_backend(backend_name, sliding_window=cfg.sliding_window)
-        if backend_name == "cpu" and not self.layout.quantized:
+        check_backend_name(backend_name)  # the MLA branch below does not go through the registry
+        if cfg.is_mla:  # latent pages: the MLA backend (Triton decode on CUDA)
+            from kvmesh.worker.attention.mla import MLABackend
+
+            kernel = "torch" if backend_name == "torch" else "auto"
+            bs = self.cache_config.block_size
+            self.backend = MLABackend(kernel, block_size=bs, device=self.device)
+        else:
+            self.backend = get_backend(backend_name, sliding_window=cfg.sliding_window)
+        if backend_name == "cpu" and not self.layout.quantized and not cfg.is_mla:
             # the C kernels serve the model's elementwise ops too. Not under quantized
             # caches: their RMSNorm and SiLU round differently from torch's in the last bit,
             # which int4 can turn into a different code, and quantized outputs are held to

@@ -32,6 +32,21 @@ def cpu_kernels_enabled() -> bool:
     return _str("KVMESH_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def autotune_dir() -> Path:
+    """KVMESH_AUTOTUNE_DIR: where the GEMM autotuner keeps ``gemm.json`` (default
+    ``KVMESH_CACHE_DIR/autotune``). The test suite points it at a per-session directory."""
+    v = os.environ.get("KVMESH_AUTOTUNE_DIR")
+    return Path(v) if v else cache_dir() / "autotune"
+
+
+def gemm_mode() -> str:
+    """KVMESH_GEMM: how CPU linear layers pick their GEMM (``kernels.autotune``): ``exact``
+    (default: the fastest measured on this machine among those bit-identical to
+    ``F.linear``, cached under KVMESH_CACHE_DIR), ``auto`` (the fastest, oneDNN included,
+    which rounds differently), ``legacy``, or one of ``linear``, ``mkl``, ``onednn``."""
+    return _str("KVMESH_GEMM", "exact").strip().lower() or "exact"
+
+
 def c_compiler() -> str:
     """CC: the C compiler that builds the CPU kernels (default ``cc``)."""
     return _str("CC", "") or "cc"
@@ -41,3 +56,17 @@ def cluster_secret() -> str | None:
     """KVMESH_CLUSTER_SECRET: the cluster secret (at least 16 bytes) of a standalone
     ``kvmesh worker``, when ``--cluster-secret-file`` is not given (docs/security.md)."""
     return os.environ.get("KVMESH_CLUSTER_SECRET") or None
+
+
+def worker_metrics_port() -> int:
+    """KVMESH_WORKER_METRICS_PORT: the port of a ``kvmesh serve`` worker actor's /metrics
+    (default 0: any free port). On Kubernetes, one worker per pod, a fixed port lets a
+    PodMonitor scrape it (deploy/k8s)."""
+    v = os.environ.get("KVMESH_WORKER_METRICS_PORT")
+    try:
+        port = int(v) if v else 0
+    except ValueError:
+        port = -1
+    if not 0 <= port < 65536:
+        raise ValueError(f"KVMESH_WORKER_METRICS_PORT must be in [0, 65535], got {v!r}")
+    return port

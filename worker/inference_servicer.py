@@ -193,8 +193,9 @@ class InferenceServicer(ipb_grpc.InferenceServicer):
             vocab_size=cfg.vocab_size,
             dtype=_TORCH_FORMATS.get(str(e.dtype), str(e.dtype)),
             num_layers=cfg.num_layers,
-            num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
+            # the KV page layout's, not the attention heads': MLA pages hold 1 latent row
+            num_kv_heads=e.layout.num_kv_heads,
+            head_dim=e.layout.head_size,
             eos_token_ids=sorted(e.eos_token_ids),
             worker_id=self.worker_id,
         )

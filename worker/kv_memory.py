@@ -76,9 +76,7 @@ class KVMemory:
         residual slot per possible running request for quantized formats."""
         cache_format = resolve_format(kv_cache_dtype, dtype)
         _check_format_supported(cache_format, device)
-        layout = PageLayout(
-            cache_format, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size
-        )
+        layout = cfg.page_layout(cache_format, block_size)  # MLA models: latent pages
         n_pages = num_pages or kv_cache_memory // layout.page_nbytes
         if n_pages < 2:
             raise ValueError(
@@ -101,6 +99,7 @@ class KVMemory:
             head_size=lay.head_size,
             block_size=lay.block_size,
             page_nbytes=lay.page_nbytes,
+            layout=lay.name,
         )
 
     @property

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvmesh.worker.engine import LLMEngine, Prompt
+from kvmesh.worker.flush import DEFAULT_FLUSH_TIMEOUT_S, flush_to_shared
 from kvmesh.worker.models.loader import DEFAULT_MODEL
 from kvmesh.worker.outputs import RequestOutput
 from kvmesh.worker.sampling_params import SamplingParams
@@ -16,6 +17,7 @@ class LLM:
 
     def __init__(self, model: str = DEFAULT_MODEL, **engine_args):
         self.engine = LLMEngine(model, **engine_args)
+        self._closed = False
 
     @property
     def tokenizer(self) -> Tokenizer | None:
@@ -64,7 +66,15 @@ class LLM:
     def reset_prefix_cache(self) -> int:
         return self.engine.reset_prefix_cache()
 
-    def close(self) -> None:
+    def close(self, flush_timeout_s: float | None = DEFAULT_FLUSH_TIMEOUT_S) -> None:
+        """Release the engine. With a Redis tier, its cached pages (device and host) are
+        first written down to Redis, for at most ``flush_timeout_s`` seconds (None: no
+        flush), so the next process finds them (worker/flush.py). Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        if flush_timeout_s is not None:
+            flush_to_shared(self.engine, flush_timeout_s)
         self.engine.close()
 
 

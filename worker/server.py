@@ -33,6 +33,7 @@ from kvmesh.protos.security import (
 from kvmesh.protos.serving import DEFAULT_DEADLINE_S, Drain, Lifecycle, ServerThread, aio_server
 from kvmesh.worker.async_engine import AsyncEngine
 from kvmesh.worker.engine import LLMEngine
+from kvmesh.worker.flush import DEFAULT_FLUSH_TIMEOUT_S, flush_to_shared
 from kvmesh.worker.inference_servicer import InferenceServicer
 
 logger = logging.getLogger("kvmesh.server")
@@ -383,11 +384,14 @@ def serve_worker(
     tokens: BearerTokens | None = None,
     tls: TLSConfig | None = None,
     default_deadline_s: float | None = DEFAULT_DEADLINE_S,
+    flush_timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S,
     **engine_args,
 ) -> None:
-    """Load the model, serve until SIGTERM/SIGINT, drain, exit (``kvmesh worker``).
+    """Load the model, serve until SIGTERM/SIGINT, drain, flush, exit (``kvmesh worker``).
 
-    A first signal drains for up to ``grace_s`` seconds; a second one stops at once.
+    A first signal drains for up to ``grace_s`` seconds; a second one stops at once. Then,
+    with a Redis tier, the cached pages are written down to Redis for at most
+    ``flush_timeout_s`` seconds (0: no flush).
     """
     import uvloop
 
@@ -435,3 +439,8 @@ def serve_worker(
         await asyncio.gather(*stopping)
 
     uvloop.run(main())
+    # the engine loop has stopped: write the cache down to Redis, bounded (worker/flush.py),
+    # so a rolling restart loses nothing Redis can hold
+    if flush_timeout_s > 0:
+        flush_to_shared(engine, flush_timeout_s)
+    engine.close()

@@ -11,13 +11,12 @@ from __future__ import annotations
 import threading
 
 import pytest
-from helpers import hf_greedy, register_worker
+from helpers import hf_greedy, in_process_router
 
 from kvmesh.cluster import Client, InvalidArgument
 from kvmesh.kvstore.hashing import hash_pages
-from kvmesh.router.core import RouterCore, encode_event
+from kvmesh.router.core import encode_event
 from kvmesh.router.prefix_index import NO_MATCH
-from kvmesh.router.service import RouterServer
 from kvmesh.worker import LLMEngine
 from kvmesh.worker.server import WorkerServer
 
@@ -51,20 +50,13 @@ def cluster(smol_src):
     events = _Events()
     eng.events.subscribe(events)  # before any page is cached: the stream starts at seq 0
     # optimistic entries outlive the test, so what the router inserted for a request is seen
-    core = RouterCore(report_timeout_s=3600.0, optimistic_ttl_s=600.0)
-    router = RouterServer(core, tokenize=eng.tokenizer.encode)
-    router.start_in_thread()
-    register_worker(
-        router,
-        worker_id=worker.worker_id,
-        address=worker.address,
-        model_fp=eng.model_fp,
-        block_size=BS,
-        name="salt-worker",
-    )
-    yield worker, router, events
-    router.stop_in_thread(grace=0)
-    worker.stop_in_thread(grace=0)
+    try:
+        with in_process_router(
+            worker, name="salt-worker", core_kw={"optimistic_ttl_s": 600.0}
+        ) as router:
+            yield worker, router, events
+    finally:
+        worker.stop_in_thread(grace=0)
 
 
 def _prompt(tokenizer, text: str) -> list[int]:

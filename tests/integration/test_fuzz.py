@@ -22,13 +22,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from helpers import hf_greedy, register_worker, wait_until
+from helpers import hf_greedy, in_process_router, wait_until
 
 from kvmesh.cluster import AsyncClient, Client, Unavailable
 from kvmesh.protos.kvmesh.v1 import inference_pb2 as ipb
 from kvmesh.protos.kvmesh.v1 import inference_pb2_grpc as ipb_grpc
-from kvmesh.router.core import RouterCore
-from kvmesh.router.service import RouterServer
 from kvmesh.worker import LLMEngine, SamplingParams, async_engine
 from kvmesh.worker.engine import QueueFullError
 from kvmesh.worker.request import RequestStatus
@@ -57,21 +55,8 @@ def worker(smol_src):
 
 @pytest.fixture(scope="module")
 def router(worker):
-    eng = worker.engine.engine
-    # the worker never reports (no Ray shell here): it must not expire
-    core = RouterCore(report_timeout_s=3600.0)
-    srv = RouterServer(core, tokenize=eng.tokenizer.encode)
-    srv.start_in_thread()
-    register_worker(
-        srv,
-        worker_id=worker.worker_id,
-        address=worker.address,
-        model_fp=eng.model_fp,
-        block_size=eng.cache_config.block_size,
-        name="fuzz-worker",
-    )
-    yield srv
-    srv.stop_in_thread(grace=0)
+    with in_process_router(worker, name="fuzz-worker") as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -8,21 +8,17 @@ limit is 413."""
 
 from __future__ import annotations
 
-import shutil
 import ssl
-import subprocess
 
 import httpx
 import openai
 import pytest
 from helpers import TEST_IDENTITY as ID
-from helpers import register_worker
+from helpers import in_process_router, make_test_pki
 
 from kvmesh.cluster import Client
 from kvmesh.cluster.serve import ClusterConfig
 from kvmesh.protos.security import BearerTokens, TLSConfig
-from kvmesh.router.core import RouterCore
-from kvmesh.router.service import RouterServer
 from kvmesh.worker.async_engine import AsyncEngine
 from kvmesh.worker.engine import LLMEngine
 from kvmesh.worker.server import WorkerServer
@@ -33,29 +29,10 @@ PROMPT = "The three primary colors are"
 GREEDY = dict(max_tokens=6, temperature=0)
 
 
-def _openssl(*args: str, cwd) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
-    """A CA of its own, a server certificate for 127.0.0.1 and a client certificate."""
-    if shutil.which("openssl") is None:
-        pytest.fail("the openssl CLI is needed to make the test CA: apt-get install openssl")
-    d = tmp_path_factory.mktemp("http-pki")
-    key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    _openssl("req", "-x509", *key, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
-             "-subj", "/CN=kvmesh http test CA", cwd=d)  # fmt: skip
-    exts = {"server": "subjectAltName=IP:127.0.0.1\n", "client": "extendedKeyUsage=clientAuth\n"}
-    for name, ext in exts.items():
-        (d / f"{name}.ext").write_text(ext)
-        _openssl("req", *key, "-keyout", f"{name}.key", "-out", f"{name}.csr",
-                 "-subj", f"/CN=kvmesh http test {name}", cwd=d)  # fmt: skip
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-                 "-CAcreateserial", "-out", f"{name}.pem", "-days", "1",
-                 "-extfile", f"{name}.ext", cwd=d)  # fmt: skip
-    (d / "tokens").write_text("# tenants\n" + "\n".join(TOKENS) + "\n")
-    return d
+    """A CA of its own, a server certificate for 127.0.0.1, a client certificate, tokens."""
+    return make_test_pki(tmp_path_factory.mktemp("http-pki"), TOKENS, "IP:127.0.0.1")
 
 
 def trust(pki, client_cert: bool = False) -> ssl.SSLContext:
@@ -93,28 +70,17 @@ def worker(engine, pki):
 @pytest.fixture(scope="module")
 def router(worker, pki):
     eng = worker.engine.engine
-    core = RouterCore(report_timeout_s=3600.0)  # no Ray shell here: it must not expire
-    srv = RouterServer(
-        core,
-        tokenize=eng.tokenizer.encode,
+    with in_process_router(
+        worker,
+        name="http-tls-worker",
         tokenizer=eng.tokenizer,
         model_name=MODEL,
         identity=ID,
         tokens=BearerTokens.from_file(pki / "tokens"),
         tls=TLSConfig.from_files(pki / "server.pem", pki / "server.key", ca=pki / "ca.pem"),
         http_port=0,
-    )
-    srv.start_in_thread()
-    register_worker(
-        srv,
-        worker_id=worker.worker_id,
-        address=worker.address,
-        model_fp=eng.model_fp,
-        block_size=eng.cache_config.block_size,
-        name="http-tls-worker",
-    )
-    yield srv
-    srv.stop_in_thread(grace=0)
+    ) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

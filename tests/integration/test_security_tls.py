@@ -7,20 +7,15 @@ member of a TLS cluster, every page MAC-checked."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-
 import pytest
 from helpers import TEST_IDENTITY as ID
-from helpers import register_worker
+from helpers import in_process_router, make_test_pki
 
 from kvmesh.cluster import Client
 from kvmesh.cluster.client import Unauthenticated, Unavailable
 from kvmesh.kvstore.hashing import hash_pages
 from kvmesh.kvstore.peer import PeerTier
 from kvmesh.protos.security import BearerTokens, TLSConfig, check_bearer
-from kvmesh.router.core import RouterCore
-from kvmesh.router.service import RouterServer
 from kvmesh.worker import SamplingParams
 from kvmesh.worker.async_engine import AsyncEngine
 from kvmesh.worker.engine import LLMEngine
@@ -35,29 +30,10 @@ PROMPT = (  # three full pages of 16 tokens and more
 )
 
 
-def _openssl(*args: str, cwd) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
-    """A throwaway CA, a server certificate for 127.0.0.1/localhost and a client one."""
-    if shutil.which("openssl") is None:
-        pytest.fail("the openssl CLI is needed to make the test CA: apt-get install openssl")
-    d = tmp_path_factory.mktemp("pki")
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
-             "-subj", "/CN=kvmesh test CA", cwd=d)  # fmt: skip
-    (d / "server.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    (d / "client.ext").write_text("extendedKeyUsage=clientAuth\n")
-    for name in ("server", "client"):
-        _openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr",
-                 "-subj", f"/CN=kvmesh test {name}", cwd=d)  # fmt: skip
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-                 "-CAcreateserial", "-out", f"{name}.pem", "-days", "1",
-                 "-extfile", f"{name}.ext", cwd=d)  # fmt: skip
-    (d / "tokens").write_text("# one per line\n" + "\n".join(TOKENS) + "\n")
-    return d
+    """A throwaway CA, a server certificate for 127.0.0.1/localhost, a client one, tokens."""
+    return make_test_pki(tmp_path_factory.mktemp("pki"), TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -86,26 +62,14 @@ def worker(engine, pki):
 
 @pytest.fixture(scope="module")
 def router(worker, pki):
-    eng = worker.engine.engine
-    core = RouterCore(report_timeout_s=3600.0)  # no Ray shell here: it must not expire
-    srv = RouterServer(
-        core,
-        tokenize=eng.tokenizer.encode,
+    with in_process_router(
+        worker,
+        name="tls-worker",
         identity=ID,
         tokens=BearerTokens.from_file(pki / "tokens"),
         tls=TLSConfig.from_files(pki / "server.pem", pki / "server.key", ca=pki / "ca.pem"),
-    )
-    srv.start_in_thread()
-    register_worker(
-        srv,
-        worker_id=worker.worker_id,
-        address=worker.address,
-        model_fp=eng.model_fp,
-        block_size=eng.cache_config.block_size,
-        name="tls-worker",
-    )
-    yield srv
-    srv.stop_in_thread(grace=0)
+    ) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,15 @@
 """The C decode kernel (kernels/cpu_attention.c) against its torch twin and a dense fp64
-reference: both builds (native, AVX-512 where the CPU has it; portable, scalar), every float
-format, GQA ratios, odd lengths, random block tables, sliding windows, head sizes off the
-vector width."""
+reference: every build the machine runs (tests/kernels/builds.py: native, AVX-512 where the
+CPU has it; AVX2, native with AVX-512 turned off, where the CPU has AVX2, FMA and F16C;
+portable, scalar), every cache format (float pages read as stored,
+fp8/int8/int4 pages dequantized in the kernel with the tail in the residual), GQA ratios, odd
+lengths, random block tables, sliding windows, head sizes off the vector width."""
 
 import math
 
 import pytest
 import torch
+from builds import host_builds, native_vector_bits
 from kvsim import KVSim
 from test_decode_attention import _dense_decode
 
@@ -18,17 +21,25 @@ from kvmesh.worker import envs
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
+BUILDS = list(host_builds())  # native, AVX2 where the CPU has it, portable
+
+
 @pytest.fixture(scope="module")
 def libraries(tmp_path_factory):
-    """Both builds. No compiler is a failure that says how to install one, not a skip."""
-    d = tmp_path_factory.mktemp("cpu-kernels")
+    """Every build this host runs (tests/kernels/builds.py). No compiler is a failure that
+    says how to install one, not a skip. The native build must vectorise where the CPU has
+    AVX2 (+FMA, F16C) or AVX-512."""
+    d = tmp_path_factory.getbasetemp() / "cpu-kernels"  # one build per flag set per session
     cc = envs.c_compiler()
-    native = cpu_native.CpuLibrary(cpu_native.compile_library(build_dir=d, cc=cc))
-    portable = cpu_native.CpuLibrary(
-        cpu_native.compile_library(build_dir=d, cc=cc, flags=cpu_native.PORTABLE_FLAGS)
-    )
-    assert not portable.vectorized
-    return {"native": native, "portable": portable}
+    builds = {
+        name: cpu_native.CpuLibrary(cpu_native.compile_library(build_dir=d, cc=cc, flags=f))
+        for name, f in host_builds().items()
+    }
+    assert builds["native"].vector_bits == native_vector_bits()
+    if "avx2" in builds:
+        assert builds["avx2"].vector_bits == 256
+    assert builds["portable"].vector_bits == 0
+    return builds
 
 
 def _sim(fmt, Hkv, D, steps, seed, bs=16, num_pages=40, max_pages=6):
@@ -60,7 +71,7 @@ def _args(sim, q, scale, window=None):
     )
 
 
-@pytest.mark.parametrize("build", ["native", "portable"])
+@pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("fmt", ["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("Hq,Hkv,D", [(9, 3, 64), (8, 2, 128), (5, 1, 32), (4, 4, 48), (6, 2, 20)])
 def test_matches_torch_twin(libraries, build, fmt, Hq, Hkv, D):
@@ -128,12 +139,115 @@ def test_bad_arguments_are_named(libraries):
         run(**{**args, "block_tables": args["block_tables"].int()})
     with pytest.raises(ValueError, match="multiple of 2"):
         run(**{**args, "q": torch.randn(1, 3, 32)})
-    with pytest.raises(ValueError, match="float formats"):
-        run(**{**args, "fmt": "int8"})
+    with pytest.raises(ValueError, match="reads formats"):
+        run(**{**args, "fmt": "nf4"})
     with pytest.raises(ValueError, match="fewer pages"):
         run(**{**args, "context_lens": torch.tensor([10_000])})
     with pytest.raises(ValueError, match="sliding_window"):
         run(**{**args, "sliding_window": 0})
+
+
+def _quant_args(sim, q, scale, window=None):
+    tables, ctx, slots = sim.read_meta()
+    rk, rv = sim.residual_kv()
+    return dict(
+        q=q,
+        fmt=sim.fmt,
+        cache=sim.views(),
+        residual_k=rk,
+        residual_v=rv,
+        block_tables=tables,
+        context_lens=ctx,
+        residual_slots=slots,
+        scale=scale,
+        sliding_window=window,
+    )
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "int4"])
+@pytest.mark.parametrize("Hq,Hkv,D", [(9, 3, 64), (8, 2, 128), (6, 2, 20)])
+def test_quantized_pages_match_torch_twin(libraries, build, fmt, Hq, Hkv, D):
+    """Quantized pages dequantized in the kernel (the same stored scales and arithmetic as the
+    torch twin), the partial last page from the residual, exactly full pages with no tail."""
+    sim = _sim(fmt, Hkv, D, [[37, 32, 1, 90], [2, 0, 0, 6]], seed=Hq + D)
+    q = torch.randn(4, Hq, D, generator=torch.Generator().manual_seed(Hq * 3 + D))
+    for window in (None, 20, 1):
+        args = _quant_args(sim, q, 1 / math.sqrt(D), window)
+        want = paged_decode_attention_torch(**args)
+        got = cpu_attention.paged_decode_attention_cpu(**args, library=libraries[build])
+        assert got.dtype == q.dtype and got.shape == q.shape
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize(
+    "Hq,Hkv,D,bs",
+    [(6, 2, 16, 1), (3, 3, 24, 64), (4, 1, 24, 1), (2, 2, 256, 16)],
+)
+def test_int4_head_sizes_off_32_and_other_block_sizes(libraries, build, Hq, Hkv, D, bs):
+    """int4 with head sizes that are not a multiple of 32 (one value group of D: the vector
+    builds take their memory path for the codes, or the scalar dequantizing path where D is
+    off the vector width) and block sizes 1 and 64, against the torch twin."""
+    pages = -(-96 // bs)  # the longest sequence: 96 tokens
+    steps = [[37, 64, 1, 90], [2, 0, 0, 6]]
+    sim = _sim("int4", Hkv, D, steps, seed=D + bs, bs=bs, num_pages=4 * pages + 1, max_pages=pages)
+    q = torch.randn(4, Hq, D, generator=torch.Generator().manual_seed(D * 5 + bs))
+    for window in (None, 20):
+        args = _quant_args(sim, q, 1 / math.sqrt(D), window)
+        want = paged_decode_attention_torch(**args)
+        got = cpu_attention.paged_decode_attention_cpu(**args, library=libraries[build])
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("D", [128, 24])  # codes in registers (D % 32 == 0), via memory
+def test_int4_wide_kv_rows_above_8192_floats(libraries, build, D):
+    """Hkv * D above 8192 (the kernel once kept a page's K scales on the stack and refused
+    these shapes, a ValueError mid-serving): the scales live in the heap work area now."""
+    Hkv = 8192 // D + 2
+    sim = _sim("int4", Hkv, D, [[5, 19]], seed=D, bs=4, num_pages=13, max_pages=6)
+    q = torch.randn(2, Hkv, D, generator=torch.Generator().manual_seed(D))
+    args = _quant_args(sim, q, 1 / math.sqrt(D))
+    want = paged_decode_attention_torch(**args)
+    got = cpu_attention.paged_decode_attention_cpu(**args, library=libraries[build])
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_quantized_null_page_and_pool_poison_outside_pages(libraries):
+    """The kernel reads only its sequences' pages and the residual slots it is given:
+    poisoning the null page and unused residual slots with NaN changes nothing."""
+    sim = _sim("int4", 2, 64, [[5, 33, 48]], seed=5, num_pages=30)
+    args = _quant_args(sim, torch.randn(3, 4, 64), 0.2)
+    want = paged_decode_attention_torch(**args)
+    args["block_tables"] = torch.cat(
+        [args["block_tables"], torch.zeros(3, 2, dtype=torch.int64)], 1
+    )
+    sim.buf[0] = 255  # every int4 code 15, every scale NaN
+    used = {r.slot for r in sim.reqs if r.ctx % sim.bs}
+    for slot in set(range(sim.residual.shape[2])) - used:
+        sim.residual[:, :, slot] = float("nan")
+    for lib in libraries.values():
+        got = cpu_attention.paged_decode_attention_cpu(**args, library=lib)
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_quantized_bad_arguments_are_named(libraries):
+    sim = _sim("int8", 2, 32, [[3, 20]], seed=1)
+    args = {**_quant_args(sim, torch.randn(2, 4, 32), 0.5), "library": libraries["native"]}
+    run = cpu_attention.paged_decode_attention_cpu
+    with pytest.raises(ValueError, match="residual_k must be contiguous float32"):
+        run(
+            **{
+                **args,
+                "residual_k": args["residual_k"].half(),
+                "residual_v": args["residual_v"].half(),
+            }
+        )
+    with pytest.raises(ValueError, match="residual_slots name a slot"):
+        run(**{**args, "residual_slots": torch.tensor([99, -1])})
+    with pytest.raises(ValueError, match="int8 needs residual_k"):
+        run(**{**args, "residual_k": None})
 
 
 def test_missing_compiler_names_the_fix(tmp_path):

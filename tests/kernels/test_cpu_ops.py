@@ -1,17 +1,21 @@
-"""The fused elementwise C ops (kernels/cpu_ops.c) against their torch twins, native and
-portable builds; and the engine's C path against the pure torch path on a tiny model."""
+"""The fused elementwise C ops (kernels/cpu_ops.c) against their torch twins, native, AVX2
+(native with AVX-512 off: the compiler's AVX2 code for the same loops) and portable builds;
+and the engine's C path against the pure torch path on a tiny model."""
 
 import pytest
 import torch
+from builds import host_builds
 
 from kvmesh.kernels import cpu_native, cpu_ops
 from kvmesh.worker import envs
 
+_FLAGS = host_builds()  # native, AVX2 where the CPU has it, portable
 
-@pytest.fixture(scope="module", params=["native", "portable"])
+
+@pytest.fixture(scope="module", params=list(_FLAGS))
 def lib(request, tmp_path_factory):
-    flags = cpu_native.NATIVE_FLAGS if request.param == "native" else cpu_native.PORTABLE_FLAGS
-    d = tmp_path_factory.mktemp("cpu-ops")
+    flags = _FLAGS[request.param]
+    d = tmp_path_factory.getbasetemp() / "cpu-kernels"  # shared with the other kernel tests
     return cpu_native.CpuLibrary(
         cpu_native.compile_library(build_dir=d, cc=envs.c_compiler(), flags=flags)
     )

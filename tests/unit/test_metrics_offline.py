@@ -180,6 +180,35 @@ def test_top_renders_a_row_per_worker():
     text = con.export_text()
     assert "w-1" in text and "w-2" in text and "scrape failed" in text
     assert "50%" in text and "20 ms" in text and "affinity" in text
+    assert "autoscaling" not in text  # a router without the autoscaler: no table
+
+
+def test_top_shows_the_autoscalers_decisions_with_their_reasons():
+    from rich.console import Console
+
+    from kvmesh.router.metrics import PREFIX
+
+    core = RouterCore(model_fp=FP)
+    m = core.metrics = RouterMetrics(core, model_name="m")
+    core.autoscale_config = {"min_workers": 1, "max_workers": 3}
+    core.record_scaling(
+        {"action": "down", "from_workers": 2, "to_workers": 1, "cause": "low_load",
+         "reason": "every signal under its low mark", "worker": "kvmesh-worker-1",
+         "flush": {"pages_written": 12}, "at": 1000.0}
+    )  # fmt: skip
+    assert value(m.registry, PREFIX + "autoscale_decisions_total", action="down") == 1
+    assert value(m.registry, PREFIX + "autoscale_flushed_pages_total") == 12
+    from prometheus_client.parser import text_string_to_metric_families
+
+    router: dict = {}
+    for fam in text_string_to_metric_families(generate_latest(m.registry).decode()):
+        for s in fam.samples:
+            router.setdefault(s.name, []).append((s.labels, s.value))
+    con = Console(width=240, record=True)
+    con.print(render("r:1", router, []))
+    text = con.export_text()
+    assert "autoscaling 1..3 workers, 0 draining" in text
+    assert "kvmesh-worker-1" in text and "every signal under its low mark" in text
 
 
 # ---------------------------------------------------------------- deploy/ against the docs

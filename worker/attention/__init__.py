@@ -51,9 +51,14 @@ def available_backends() -> list[str]:
 def get_backend(name: str, **kwargs) -> AttentionBackend:
     """The backend ``name``: ``"torch"`` (reference), ``"cpu"`` (torch plus the C decode
     kernel) or ``"triton"`` (CUDA)."""
+    check_backend_name(name)
+    return _REGISTRY[name](**kwargs)
+
+
+def check_backend_name(name: str) -> None:
+    """Raise ValueError naming ``name`` unless it is a registered backend."""
     if name not in _REGISTRY:
         raise ValueError(f"unknown attention backend {name!r}; available: {available_backends()}")
-    return _REGISTRY[name](**kwargs)
 
 
 def default_backend_name(device: str) -> str:
@@ -68,6 +73,7 @@ __all__ = [
     "LayerCache",
     "PrefillSpan",
     "available_backends",
+    "check_backend_name",
     "default_backend_name",
     "get_backend",
     "register_backend",

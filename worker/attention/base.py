@@ -43,6 +43,19 @@ class PrefillSpan:
     residual_slot: int = -1  # quantized formats: the slot holding the partial last page
 
 
+def causal_prefill_mask(
+    span: PrefillSpan, device: torch.device, sliding_window: int | None = None
+) -> torch.Tensor:
+    """(q_len, context_len) bool: the span's new tokens, the last q_len of its context, see
+    the keys at or before their own position (and within ``sliding_window`` if set)."""
+    kpos = torch.arange(span.context_len, device=device)
+    qpos = torch.arange(span.context_len - span.q_len, span.context_len, device=device)
+    mask = kpos[None, :] <= qpos[:, None]
+    if sliding_window is not None:
+        mask &= kpos[None, :] > qpos[:, None] - sliding_window
+    return mask
+
+
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # (T,) int64: flat slot (page * block_size + offset) per new token

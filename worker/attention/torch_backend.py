@@ -12,10 +12,11 @@ Decode (one query token per request) folds each KV head's group of query heads i
 query-length axis: q (B, Hkv, G, D) against k (B, Hkv, L, D). Every K/V tile is read once
 per group and no repeat of K/V is materialised.
 
-With ``native=True`` (the ``cpu`` backend), decode over float-format pages runs in
-kvmesh's C kernel (``kernels.cpu_attention``), which reads the pages in place instead of
-gathering them; if the kernel cannot be built (no C compiler), one warning is logged and
-the torch path runs (``worker.cpu_kernels``).
+With ``native=True`` (the ``cpu`` backend), decode runs in kvmesh's C kernel
+(``kernels.cpu_attention``), which reads the pages in place instead of gathering them
+(quantized ones dequantized as it reads them, with an fp32 residual); if the kernel
+cannot be built (no C compiler), one warning is logged and the torch path runs
+(``worker.cpu_kernels``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,12 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh.kernels.quant import hadamard_transform, value_rotation_block
-from kvmesh.worker.attention.base import AttentionBackend, AttentionMetadata, LayerCache
+from kvmesh.worker.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    LayerCache,
+    causal_prefill_mask,
+)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -66,11 +72,7 @@ class TorchAttentionBackend(AttentionBackend):
             fresh = span.context_len == span.q_len and not quantized
             mask = None
             if not fresh or self.sliding_window is not None:
-                kpos = torch.arange(span.context_len, device=dev)
-                qpos = torch.arange(span.context_len - span.q_len, span.context_len, device=dev)
-                mask = kpos[None, :] <= qpos[:, None]  # (q_len, ctx)
-                if self.sliding_window is not None:
-                    mask &= kpos[None, :] > qpos[:, None] - self.sliding_window
+                mask = causal_prefill_mask(span, dev, self.sliding_window)  # (q_len, ctx)
             self._prefill.append((span, fresh, mask))
         if quantized:
             self._prepare_quantized(meta)
@@ -104,8 +106,12 @@ class TorchAttentionBackend(AttentionBackend):
         rot = value_rotation_block(cache.cache_format, D)
         if rot is not None:  # int4 keeps V rotated (kernels.quant); the output is turned back
             v = hadamard_transform(v, rot)
+        native = self._native is not None and q.device.type == "cpu"
         if cache.quantized:
             from kvmesh.kernels.cache_write import write_kv_cache  # Triton on CUDA
+
+            if native and cache.residual_k.dtype == torch.float32:
+                from kvmesh.kernels.cpu_quant import write_kv_cache_cpu as write_kv_cache
 
             write_kv_cache(
                 fmt=cache.cache_format,
@@ -124,7 +130,12 @@ class TorchAttentionBackend(AttentionBackend):
             vc[self._page_idx, self._page_off] = v.to(vc.dtype)
         out = torch.empty_like(q)
         nd = meta.num_decode
-        if nd and self._native is not None and not cache.quantized and q.device.type == "cpu":
+        # quantized pages too, dequantized in the kernel, with an fp32 residual
+        res = {}
+        if cache.quantized:
+            res = dict(residual_k=cache.residual_k, residual_v=cache.residual_v)
+            res["residual_slots"] = meta.decode_residual_slots
+        if nd and native and (not res or cache.residual_k.dtype == torch.float32):
             self._native(
                 q=q[:nd],
                 fmt=cache.cache_format,
@@ -134,6 +145,7 @@ class TorchAttentionBackend(AttentionBackend):
                 scale=scale,
                 sliding_window=self.sliding_window,
                 out=out[:nd],
+                **res,
             )
         elif nd:
             tables = meta.decode_block_tables  # (B, P)

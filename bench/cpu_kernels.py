@@ -1,0 +1,261 @@
+"""CPU kernel microbenchmarks, every variant against its baseline in the same run, interleaved
+(a load spike from another process hits all alike), medians reported with ratios:
+
+* ``gemm``: each linear shape of the model at decode/prefill row counts, ``F.linear`` vs MKL
+  packed vs oneDNN prepacked (``kernels.autotune``'s candidates), with GFLOP/s: the roofline
+  numerator on this CPU;
+* ``bandwidth``: a large copy's GB/s, the roofline's denominator for memory-bound decode;
+* ``decode``: one layer's paged decode attention (SmolLM2: 9 query heads, 3 KV heads, D=64,
+  pages of 16) for B sequences of L tokens, fp32 pages in C, int4/int8 pages in C (fused
+  dequant), and int4 through the torch path the engine used before (gather + dequant + SDPA);
+* ``quantize``: full pages quantized into the pool, C vs the torch twin (+ scatter), per format;
+* ``engine``: SmolLM2 through the engine, ``--engine-prompts`` prompts of 128 tokens and
+  ``--engine-tokens`` greedy tokens each, submitted together, for each KV cache format of
+  ``--engine-formats`` and GEMM mode of ``--gemm-modes`` (``kernels.autotune``), the configs
+  run in turn for ``--engine-rounds`` rounds (best of each kept): output tokens/s, ratios to
+  the first config, and whether greedy tokens equal the first config's.
+
+Prints one JSON object on stdout.
+
+    python bench/cpu_kernels.py [--parts gemm,bandwidth,decode,quantize,engine] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from machine import machine_info
+
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+
+
+def interleaved(fns: dict, rounds: int) -> dict[str, float]:
+    for f in fns.values():
+        f()
+    t = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            t[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in t.items()}
+
+
+def bench_gemm(rounds: int) -> dict:
+    from kvmesh.kernels.autotune import GemmTuner
+    from kvmesh.kernels.cpu_linear import PackedLinear
+
+    out = {}
+    for name, (N, K) in SHAPES.items():
+        w = torch.randn(N, K)
+        lins = {
+            m: PackedLinear(w, tuner=GemmTuner(None, mode=m)) for m in ("linear", "mkl", "onednn")
+        }
+        for M in (1, 8, 16, 32, 64, 256):
+            x = torch.randn(M, K)
+            t = interleaved({m: (lambda lin=lin, x=x: lin(x)) for m, lin in lins.items()}, rounds)
+            best = min(t, key=t.get)
+            out[f"{name} {M}x{K}->{N}"] = {
+                **{f"{m}_us": round(v * 1e6, 1) for m, v in t.items()},
+                "best": best,
+                "best_gflops": round(2 * M * K * N / t[best] / 1e9, 1),
+                "mkl_vs_linear": round(t["linear"] / t["mkl"], 2),
+                "onednn_vs_linear": round(t["linear"] / t["onednn"], 2),
+            }
+    return out
+
+
+def bench_bandwidth(rounds: int) -> dict:
+    a = torch.randn(64 * 2**20 // 4)  # 64 MiB, well past the caches
+    b = torch.empty_like(a)
+    t = interleaved({"copy": lambda: b.copy_(a), "sum": lambda: a.sum()}, rounds)
+    return {
+        "copy_gb_s": round(2 * a.numel() * 4 / t["copy"] / 1e9, 2),  # read + write
+        "read_gb_s": round(a.numel() * 4 / t["sum"] / 1e9, 2),
+    }
+
+
+def _decode_setup(fmt, B, L, Hkv=3, D=64, bs=16):
+    from kvmesh.kernels.page_format import PageLayout
+    from kvmesh.kernels.quant import quantize_pages
+
+    layout = PageLayout(fmt, 1, Hkv, D, bs)
+    pages = B * (-(-L // bs)) + 1
+    buf = layout.allocate(pages)
+    views = layout.views(buf, 0)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randperm(pages - 1, generator=g) + 1
+    k = torch.randn(pages - 1, bs, Hkv, D, generator=g)
+    v = torch.randn(pages - 1, bs, Hkv, D, generator=g)
+    if layout.quantized:
+        for n, t in quantize_pages(fmt, k, v).items():
+            views[n][ids] = t
+    else:
+        views["k"][ids], views["v"][ids] = k, v
+    P = -(-L // bs)
+    tables = ids[: B * P].view(B, P).contiguous()
+    lens = torch.full((B,), L, dtype=torch.int64)
+    res = torch.zeros(B, bs, Hkv, D)
+    return views, tables, lens, res
+
+
+def bench_decode(rounds: int, lib, layers: int) -> dict:
+    """A decode step's attention over ``layers`` layers, each its own pool (as the engine's
+    layers are): their KV together is past the L3 cache, so pages come from DRAM as they do
+    in a step of the engine, not from a cache warmed by the call before."""
+    from kvmesh.kernels.cpu_attention import paged_decode_attention_cpu
+    from kvmesh.kernels.decode_attention import paged_decode_attention_torch
+
+    out = {}
+    for B, L in ((16, 512), (32, 1024), (1, 2048)):
+        q = torch.randn(B, 9, 64)
+        fns = {}
+        for fmt in ("fp32", "int8", "int4"):
+            kws = []
+            for _ in range(layers):
+                views, tables, lens, res = _decode_setup(fmt, B, L)
+                kw = dict(q=q, fmt=fmt, cache=views, block_tables=tables, context_lens=lens)
+                kw["scale"] = 0.125
+                if fmt != "fp32":
+                    kw.update(residual_k=res, residual_v=res, residual_slots=torch.full((B,), -1))
+                kws.append(kw)
+
+            def c(kws=kws):
+                for kw in kws:
+                    paged_decode_attention_cpu(**kw, library=lib)
+
+            fns[f"c_{fmt}"] = c
+            if fmt == "int4":
+
+                def t(kws=kws):
+                    for kw in kws:
+                        paged_decode_attention_torch(**kw)
+
+                fns["torch_int4"] = t
+        t = interleaved(fns, rounds)
+        row = {f"{k}_us": round(v * 1e6, 1) for k, v in t.items()}
+        row["c_int4_vs_c_fp32"] = round(t["c_fp32"] / t["c_int4"], 3)
+        row["c_int8_vs_c_fp32"] = round(t["c_fp32"] / t["c_int8"], 3)
+        row["c_int4_vs_torch_int4"] = round(t["torch_int4"] / t["c_int4"], 2)
+        kv_bytes = layers * 2 * B * L * 3 * 64 * 4
+        row["c_fp32_kv_gb_s"] = round(kv_bytes / t["c_fp32"] / 1e9, 2)
+        out[f"B={B} L={L} x{layers} layers"] = row
+    return out
+
+
+def bench_quantize(rounds: int, lib) -> dict:
+    from kvmesh.kernels.cpu_quant import quantize_pages_into
+    from kvmesh.kernels.page_format import PageLayout
+    from kvmesh.kernels.quant import quantize_pages
+
+    out = {}
+    for fmt in ("int8", "fp8", "int4"):
+        for n in (2, 32):
+            layout = PageLayout(fmt, 1, 3, 64, 16)
+            views = layout.views(layout.allocate(64), 0)
+            ids = torch.randperm(63)[:n] + 1
+            k, v = torch.randn(n, 16, 3, 64), torch.randn(n, 16, 3, 64)
+
+            def twin(fmt=fmt, k=k, v=v, views=views, ids=ids):
+                for name, t in quantize_pages(fmt, k, v).items():
+                    views[name][ids] = t
+
+            def c(fmt=fmt, k=k, v=v, views=views, ids=ids):
+                quantize_pages_into(fmt, k, v, views, ids, library=lib)
+
+            t = interleaved({"torch": twin, "c": c}, rounds)
+            out[f"{fmt} {n} pages"] = {
+                "torch_us": round(t["torch"] * 1e6, 1),
+                "c_us": round(t["c"] * 1e6, 1),
+                "c_vs_torch": round(t["torch"] / t["c"], 1),
+            }
+    return out
+
+
+def bench_engine(args) -> dict:
+    from kvmesh.kernels import autotune
+    from kvmesh.worker import LLM, SamplingParams
+
+    text = (
+        Path(__file__).resolve().parents[1].parent / "shared/data/tinyshakespeare.txt"
+    ).read_text()
+    configs = [(f, m) for f in args.engine_formats.split(",") for m in args.gemm_modes.split(",")]
+    llms, prompts = {}, None
+    for fmt, mode in configs:
+        os.environ["KVMESH_GEMM"] = mode
+        autotune._default = None  # a fresh process tuner in this mode
+        llm = LLM("smollm2-135m-instruct", kv_cache_dtype=fmt, kv_cache_memory="512MiB")
+        if prompts is None:
+            ids = llm.tokenizer.encode(text[:200_000])
+            prompts = [ids[i * 128 : (i + 1) * 128] for i in range(args.engine_prompts)]
+        warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        llm.generate([p[:64] for p in prompts], warm)  # tunes this mode's GEMM buckets
+        llms[(fmt, mode)] = llm
+    params = SamplingParams(max_tokens=args.engine_tokens, temperature=0.0, ignore_eos=True)
+    best, tokens = {}, {}
+    for _ in range(args.engine_rounds):
+        for key, llm in llms.items():
+            llm.reset_prefix_cache()
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params)
+            dt = time.perf_counter() - t0
+            best[key] = min(best.get(key, dt), dt)
+            tokens[key] = [o.token_ids for o in outs]
+    base = configs[0]
+    n = len(prompts) * args.engine_tokens
+    return {
+        f"{fmt} gemm={mode}": {
+            "out_tok_s": round(n / best[(fmt, mode)], 2),
+            f"vs_{base[0]}_{base[1]}": round(best[base] / best[(fmt, mode)], 3),
+            "same_tokens_as_base": sum(a == b for a, b in zip(tokens[(fmt, mode)], tokens[base])),
+        }
+        for fmt, mode in configs
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--parts", default="gemm,bandwidth,decode,quantize")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--layers", type=int, default=8, help="decode: layers (pools) a step reads")
+    ap.add_argument("--engine-formats", default="fp32,int4")
+    ap.add_argument("--gemm-modes", default="exact")
+    ap.add_argument("--engine-prompts", type=int, default=16)
+    ap.add_argument("--engine-tokens", type=int, default=32)
+    ap.add_argument("--engine-rounds", type=int, default=2)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from kvmesh.kernels import cpu_native
+
+    lib = cpu_native.CpuLibrary(
+        cpu_native.compile_library(build_dir=Path(tempfile.gettempdir()) / "kvmesh-bench-kernels")
+    )
+    parts = args.parts.split(",")
+    res = {"machine": machine_info(), "torch_threads": torch.get_num_threads()}
+    res["kernel_vector_bits"] = lib.vector_bits
+    res["loadavg_at_start"] = round(os.getloadavg()[0], 2)
+    if "gemm" in parts:
+        res["gemm"] = bench_gemm(args.rounds)
+    if "bandwidth" in parts:
+        res["bandwidth"] = bench_bandwidth(args.rounds)
+    if "decode" in parts:
+        res["decode"] = bench_decode(args.rounds, lib, args.layers)
+    if "quantize" in parts:
+        res["quantize"] = bench_quantize(args.rounds, lib)
+    if "engine" in parts:
+        res["engine"] = bench_engine(args)
+    res["loadavg_at_end"] = round(os.getloadavg()[0], 2)
+    print(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

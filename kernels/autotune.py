@@ -1,0 +1,357 @@
+"""GEMM kernels chosen by measurement on the machine at hand, cached per machine.
+
+Which CPU GEMM is fastest for a decode-sized product depends on the CPU: on an AVX-512
+machine MKL's packed SGEMM beat ``F.linear`` for 9-64 rows; on a 2-core AVX2/AVX-512 AMD EPYC
+it is 2-3x *slower* than ``F.linear``, and oneDNN with a prepacked weight (what vLLM's CPU
+build runs) is faster than both. So ``kernels.cpu_linear.PackedLinear`` asks a ``GemmTuner``
+which candidate to run for each (weight shape, row bucket) and the tuner times them:
+
+* ``linear``: ``F.linear`` (MKL's sgemm, which repacks the weight on every call);
+* ``mkl``: MKL's packed SGEMM, weight packed once for 32 rows, rows padded to 32;
+* ``onednn``: ``torch.ops.mkldnn._linear_pointwise`` over a weight reordered once into
+  oneDNN's blocked layout.
+
+Rows are bucketed by the next power of two (1, 2, 4, ..., 256). Products of more than
+``MAX_TUNED_ROWS`` (256) rows run ``F.linear`` untuned in ``auto``/``exact`` mode: at
+prefill sizes the packing ``F.linear`` repeats is a small share of the product, and timing
+every candidate on a large weight at 2048 rows took most of a minute in the request path. A
+bucket is measured the first time a product of that size runs: every candidate on the real
+weight, interleaved in rounds (7, or 3 once they took 0.25 s), median time, fastest wins.
+The choice is cached in memory (every layer shares a shape) and on disk, in
+``$KVMESH_AUTOTUNE_DIR/gemm.json`` (default ``<cache_dir>/autotune``), keyed by the CPU
+model, its flags, the torch version, the thread count, the environment variables that cap
+the instruction set MKL / oneDNN / ATen use (``ISA_ENV``) and the shape: a cache copied from
+another machine (other flags) or made by another torch is not used, its entries are re-
+measured (and kept beside the new ones); a file that cannot be read is ignored with a
+warning and rewritten. Each choice is logged on one line.
+
+Several processes of one host (the workers of a node) share the file: a tuner that misses
+takes an exclusive ``flock`` on ``gemm.json.lock``, re-reads the file (another process may
+have measured the bucket meanwhile: then it measures nothing), measures, merges its entry
+into what it just read and replaces the file through a temporary one. The lock is held
+across the measurement, so one process per host measures a bucket and the others read it.
+
+Numerics: ``linear`` and ``mkl`` (16 rows and up) give bit-identical results; ``onednn``
+accumulates in another order and differs from ``F.linear`` by float rounding (~1e-5
+relative). The engine's default mode, ``exact``, times every candidate first, then checks
+the ones faster than ``F.linear``, fastest first, for bit-equality with ``F.linear`` and
+takes the first that passes (``F.linear`` when none does). ``PackedLinear`` checks every row
+count of a bucket up to 64 rows and, above, its smallest, middle and largest count (GEMM
+libraries pick kernels by row count); the check runs once, when measured, so results are
+what they were before autotuning. ``auto`` takes the fastest, oneDNN included:
+faster on the machines measured, but its last-bit differences flip int8/int4 codes of the
+quantized KV cache, so greedy tokens no longer equal the fake-quantized transformers
+reference of tests/integration/test_quantized_engine.py (measured: int8 test fails under
+``auto``, passes under ``exact``/``legacy``). ``KVMESH_GEMM`` sets the mode: ``exact``,
+``auto``, ``legacy`` (the fixed rule before autotuning: MKL packed for 9-64 rows, else
+``F.linear``), or one candidate's name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import platform
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CANDIDATES = ("linear", "mkl", "onednn")
+MODES = ("auto", "exact", "legacy", *CANDIDATES)
+BUCKETS = tuple(2**i for i in range(12))  # 1 .. 2048 rows (tuned: up to MAX_TUNED_ROWS)
+CACHE_FORMAT = 1  # bumped when the candidates or the timing change: old entries are stale
+ROUNDS = 7
+TIME_BUDGET_S = 0.25  # a measurement stops after 3 rounds once its rounds took this long
+MAX_TUNED_ROWS = 256  # larger products run F.linear untuned (see the module doc)
+# environment that changes which kernels MKL / oneDNN / ATen dispatch to: part of the key
+ISA_ENV = (
+    "MKL_ENABLE_INSTRUCTIONS",
+    "MKL_CBWR",
+    "ATEN_CPU_CAPABILITY",
+    "DNNL_MAX_CPU_ISA",
+    "ONEDNN_MAX_CPU_ISA",
+)
+
+
+def bucket(rows: int) -> int:
+    """The bucket of a product with ``rows`` rows: the next power of two, at most 2048."""
+    for b in BUCKETS:
+        if rows <= b:
+            return b
+    return BUCKETS[-1]
+
+
+_CPU: tuple[str, str] | None = None
+
+
+def _cpu() -> tuple[str, str]:
+    """(model name, hash of the sorted flags), read once."""
+    global _CPU
+    if _CPU is None:
+        model, flags = None, ""
+        try:
+            with open("/proc/cpuinfo") as f:
+                for line in f:
+                    key, _, value = line.partition(":")
+                    key = key.strip()
+                    if key == "model name" and model is None:
+                        model = value.strip()
+                    elif key in ("flags", "Features") and not flags:
+                        flags = " ".join(sorted(value.split()))
+        except OSError:
+            pass
+        model = model or platform.processor() or platform.machine()
+        _CPU = (model, hashlib.sha256(flags.encode()).hexdigest()[:16])
+    return _CPU
+
+
+def machine_key() -> dict:
+    """What a measurement is valid for: CPU model and flags, torch version, threads now, and
+    the environment variables that cap or pin the instruction set MKL / oneDNN / ATen use."""
+    model, flags = _cpu()
+    return {
+        "cpu": model,
+        "flags": flags,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "isa_env": {k: os.environ[k] for k in ISA_ENV if k in os.environ},
+    }
+
+
+def _time_rounds(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
+    """Median seconds per call of each function, timed in interleaved rounds (a load spike
+    from another process then hits every candidate alike)."""
+    for f in fns.values():
+        f()  # warm: first-call allocations, lazy packing
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    start = time.perf_counter()
+    for r in range(rounds):
+        for k, f in fns.items():
+            t = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t)
+        if r >= 2 and time.perf_counter() - start > TIME_BUDGET_S:
+            break  # big products: 3 rounds suffice, the first start should not wait on more
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+class GemmTuner:
+    """Chooses a GEMM candidate per (weight shape, bias, row bucket); see the module doc.
+
+    ``cache_path``: the JSON file (None: memory only). ``mode``: one of ``MODES`` (the
+    class defaults to ``auto``; the engine's process tuner to ``$KVMESH_GEMM``, ``exact``).
+    ``timer``: replaces the measurement (tests), ``timer(fns, rounds) -> {name: seconds}``.
+    """
+
+    def __init__(
+        self,
+        cache_path: Path | None = None,
+        *,
+        mode: str = "auto",
+        rounds: int = ROUNDS,
+        timer: Callable[[dict, int], dict[str, float]] | None = None,
+    ):
+        if mode not in MODES:
+            raise ValueError(f"unknown GEMM mode {mode!r}; accepted: {', '.join(MODES)}")
+        self.cache_path = Path(cache_path) if cache_path is not None else None
+        self.mode = mode
+        self.rounds = rounds
+        self.timer = timer or _time_rounds
+        self.measured = 0  # (shape, bucket) pairs timed by this tuner (tests, logs)
+        self._lock = threading.Lock()
+        self._choices: dict[tuple, str] = {}
+        self._disk: list[dict] | None = None  # entries read from the file, all machines
+
+    # ---------------------------------------------------------------- the cache file
+
+    def _entry_matches(self, e: dict, shape: tuple, rows: int) -> bool:
+        return (
+            e.get("format") == CACHE_FORMAT
+            and e.get("machine") == machine_key()
+            and e.get("shape") == list(shape)
+            and e.get("rows") == rows
+            and e.get("mode") == self.mode
+            and e.get("choice") in CANDIDATES
+        )
+
+    def _load(self, reread: bool = False) -> list[dict]:
+        """The file's entries (all machines), read once; ``reread``: read it again (under the
+        file lock, before measuring, so entries other processes wrote since are seen)."""
+        if self._disk is not None and not reread:
+            return self._disk
+        self._disk = []
+        if self.cache_path is None or not self.cache_path.exists():
+            return self._disk
+        try:
+            data = json.loads(self.cache_path.read_text())
+            entries = data["entries"]
+            if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+                raise ValueError("'entries' is not a list of objects")
+            self._disk = entries
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.warning(
+                "GEMM autotune cache %s is unreadable (%s): ignoring it, re-measuring",
+                self.cache_path,
+                e,
+            )
+        return self._disk
+
+    @contextlib.contextmanager
+    def _file_lock(self):
+        """An exclusive ``flock`` on ``<cache>.lock`` across re-read, measure and write: the
+        processes of one host sharing the file measure one at a time, and each merges its
+        entry into what the others wrote. Without a lock (unwritable dir) it still works,
+        racing as before."""
+        if self.cache_path is None:
+            yield
+            return
+        fd = None
+        try:
+            self.cache_path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(str(self.cache_path) + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as e:
+            log.warning("could not lock the GEMM autotune cache %s: %s", self.cache_path, e)
+        try:
+            yield
+        finally:
+            if fd is not None:
+                os.close(fd)  # releases the flock
+
+    def _save(self, entry: dict) -> None:
+        """Merge ``entry`` into the entries read under the file lock and write them back."""
+        self._disk = [e for e in self._load() if not self._same_slot(e, entry)] + [entry]
+        if self.cache_path is None:
+            return
+        tmp = None
+        try:
+            self.cache_path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".json.tmp", dir=self.cache_path.parent)
+            with os.fdopen(fd, "w") as f:
+                json.dump({"format": CACHE_FORMAT, "entries": self._disk}, f, indent=1)
+            os.replace(tmp, self.cache_path)  # readers never see a partial file
+            tmp = None
+        except OSError as e:
+            log.warning("could not write the GEMM autotune cache %s: %s", self.cache_path, e)
+        finally:
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+
+    @staticmethod
+    def _same_slot(a: dict, b: dict) -> bool:
+        keys = ("machine", "shape", "rows", "mode")
+        return all(a.get(k) == b.get(k) for k in keys)
+
+    # ---------------------------------------------------------------- choosing
+
+    def choose(
+        self,
+        shape: tuple,
+        rows: int,
+        candidates: dict[str, Callable[[], torch.Tensor]],
+        exact: Callable[[str], bool] | None = None,
+    ):
+        """The candidate name for a product of ``shape`` (N, K, has_bias) at bucket ``rows``.
+        ``candidates``: name -> a call computing the product on a tuning input of ``rows``
+        rows (only those available on this machine; ``linear`` always). ``exact(name)``:
+        whether a candidate is bit-equal to ``F.linear`` over the bucket's row counts (mode
+        ``exact``; default: compared on the tuning input only)."""
+        key = (*shape, rows, torch.get_num_threads())
+        with self._lock:
+            got = self._choices.get(key)
+            if got is not None and got in candidates:
+                return got
+            if self.mode in CANDIDATES:
+                choice = self.mode if self.mode in candidates else "linear"
+            elif self.mode == "legacy":
+                choice = "mkl" if "mkl" in candidates and 8 < rows <= 64 else "linear"
+            elif rows > MAX_TUNED_ROWS:
+                choice = "linear"
+            else:
+                choice = self._cached(shape, rows, candidates)
+                if choice is None:
+                    with self._file_lock():
+                        self._load(reread=True)  # another process may have measured it
+                        choice = self._cached(shape, rows, candidates) or self._measure(
+                            shape, rows, candidates, exact
+                        )
+            self._choices[key] = choice
+            return choice
+
+    def _cached(self, shape, rows, candidates) -> str | None:
+        for e in self._load():
+            if self._entry_matches(e, shape, rows) and e["choice"] in candidates:
+                log.debug("GEMM %s rows<=%d: %s (cached)", _name(shape), rows, e["choice"])
+                return e["choice"]
+        return None
+
+    def _measure(self, shape, rows, candidates, exact=None) -> str:
+        """Time every candidate, then (mode ``exact``) check bit-equality only for those
+        faster than ``F.linear``, fastest first, stopping at the first exact one."""
+        names = list(candidates)
+        if len(names) == 1:
+            choice, us, why = names[0], {}, "the only candidate"
+        else:
+            times = self.timer({n: candidates[n] for n in names}, self.rounds)
+            us = {n: round(times[n] * 1e6, 1) for n in names}
+            why = "median us: " + ", ".join(f"{n} {t:g}" for n, t in us.items())
+            order = sorted(names, key=lambda n: times[n])
+            choice = order[0]
+            if self.mode == "exact":
+                if exact is None:
+                    ref = candidates["linear"]()
+                    exact = lambda n: torch.equal(candidates[n](), ref)  # noqa: E731
+                rejected = []
+                for n in order:
+                    if n == "linear" or exact(n):
+                        choice = n
+                        break
+                    rejected.append(n)
+                if rejected:
+                    why += "; not bit-identical to F.linear: " + ", ".join(rejected)
+        self.measured += 1
+        log.info("GEMM %s rows<=%d: %s (%s)", _name(shape), rows, choice, why)
+        entry = {
+            "format": CACHE_FORMAT,
+            "machine": machine_key(),
+            "shape": list(shape),
+            "rows": rows,
+            "mode": self.mode,
+            "choice": choice,
+            "us": us,
+        }
+        self._save(entry)
+        return choice
+
+
+def _name(shape) -> str:
+    n, k, bias = shape
+    return f"{k}->{n}{' +bias' if bias else ''}"
+
+
+_default: GemmTuner | None = None
+_default_lock = threading.Lock()
+
+
+def default_tuner() -> GemmTuner:
+    """The process's tuner: cache in ``$KVMESH_AUTOTUNE_DIR`` (default
+    ``$KVMESH_CACHE_DIR/autotune``), mode ``$KVMESH_GEMM``."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            from kvmesh.worker import envs
+
+            _default = GemmTuner(envs.autotune_dir() / "gemm.json", mode=envs.gemm_mode())
+        return _default

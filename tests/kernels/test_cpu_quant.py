@@ -1,0 +1,100 @@
+"""Full pages quantized in C (kernels/cpu_quant.c) against the torch quantizer, the twin:
+the same bytes in the pool for fp8 and int8; for int4 the same bytes except where two value
+clipping candidates' squared errors tie to within float rounding (the sums run in another
+order), and there the error is the same. Both builds (native, portable); the engine-side
+writer against write_kv_cache_torch."""
+
+import pytest
+import torch
+from kvsim import KVSim
+
+from kvmesh.kernels import cpu_native, cpu_quant
+from kvmesh.kernels.cache_write import write_kv_cache_torch
+from kvmesh.kernels.page_format import PageLayout
+from kvmesh.kernels.quant import dequantize_pages, quantize_pages
+from kvmesh.worker import envs
+
+
+@pytest.fixture(scope="module", params=["native", "portable"])
+def lib(request, tmp_path_factory):
+    flags = cpu_native.NATIVE_FLAGS if request.param == "native" else cpu_native.PORTABLE_FLAGS
+    d = tmp_path_factory.getbasetemp() / "cpu-kernels"  # shared with the other kernel tests
+    return cpu_native.CpuLibrary(
+        cpu_native.compile_library(build_dir=d, cc=envs.c_compiler(), flags=flags)
+    )
+
+
+def _pages(n, bs, H, D, seed):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(n, bs, H, D, generator=g) * (0.5 + 2 * torch.rand(H, D, generator=g))
+    k = k + 2 * torch.randn(H, D, generator=g)  # outlier channels, like keys
+    v = torch.randn(n, bs, H, D, generator=g) * 0.7
+    v[0, 0, 0, :4] = 0.0  # an exact zero, a -0.0 and values at fp8's subnormal edge
+    v[0, 1, 0, 0] = -0.0
+    k[0, 0, 0, :3] = torch.tensor([1e-9, 448.0 * 3, -(2.0**-9)])
+    return k, v
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "int4"])
+@pytest.mark.parametrize("H,D", [(3, 64), (2, 20), (1, 128)])
+def test_pages_in_the_pool_match_the_torch_quantizer(lib, fmt, H, D):
+    if fmt == "int4" and D % min(32, D):
+        D = 32
+    bs, n = 16, 5
+    layout = PageLayout(fmt, 2, H, D, bs)
+    k, v = _pages(n, bs, H, D, seed=H * D)
+    ids = torch.tensor([7, 2, 9, 4, 11])
+    buf = layout.allocate(12)
+    cache = layout.views(buf, 1)
+    cpu_quant.quantize_pages_into(fmt, k, v, cache, ids, library=lib)
+    want = quantize_pages(fmt, k, v)
+    for name, t in want.items():
+        got = cache[name][ids]
+        if fmt == "int4" and name.startswith("v"):
+            continue  # below: equal up to clipping ties
+        assert torch.equal(got.view(torch.uint8), t.view(torch.uint8)), name
+    if fmt == "int4":
+        comps = {n: cache[n][ids] for n in want}
+        same = (comps["v_scale"] == want["v_scale"]) & (comps["v_zero"] == want["v_zero"])
+        assert same.float().mean() > 0.98  # ties are rare
+        # where the choice differs, the error of the C choice equals the twin's to rounding
+        _, v_c = dequantize_pages(fmt, comps)
+        _, v_t = dequantize_pages(fmt, want)
+        g = min(32, D)
+        err_c = (v_c - v).view(n, bs, H, D // g, g).square().sum(-1)
+        err_t = (v_t - v).view(n, bs, H, D // g, g).square().sum(-1)
+        torch.testing.assert_close(err_c, err_t, rtol=1e-5, atol=1e-7)
+        packed_same = (comps["v"] == want["v"]).view(n, bs, H, D // g, g // 2).all(-1)
+        assert bool(packed_same[same].all())  # same parameters: same codes
+    # pages not written stay zero
+    others = [p for p in range(12) if p not in ids.tolist()]
+    assert not buf[others].any()
+
+
+def test_engine_writer_matches_write_kv_cache_torch(lib):
+    """write_kv_cache_cpu over several engine steps (tails in the residual, pages completing
+    from residual rows and new tokens) leaves the pool and residual as the torch writer."""
+    sims = [KVSim("int8", H=2, D=32, seed=3, num_reqs=3) for _ in range(2)]
+    for new in ([5, 16, 40], [11, 1, 0], [20, 3, 8]):
+        kw = sims[0].step(new)
+        kw2 = sims[1].step(new)
+        write_kv_cache_torch(**kw)
+        kw2.pop("slot_mapping")
+        cpu_quant.write_kv_cache_cpu(**kw2, library=lib)
+    assert torch.equal(sims[0].buf, sims[1].buf)
+    assert torch.equal(sims[0].residual, sims[1].residual)
+
+
+def test_bad_arguments_are_named(lib):
+    layout = PageLayout("int8", 1, 2, 32, 16)
+    cache = layout.views(layout.allocate(4), 0)
+    k = torch.randn(1, 16, 2, 32)
+    run = cpu_quant.quantize_pages_into
+    with pytest.raises(ValueError, match="not a quantized cache format: 'fp32'"):
+        run("fp32", k, k, cache, torch.tensor([1]), library=lib)
+    with pytest.raises(ValueError, match="outside the pool's 4 pages"):
+        run("int8", k, k, cache, torch.tensor([4]), library=lib)
+    with pytest.raises(ValueError, match="page_ids must be int64"):
+        run("int8", k, k, cache, torch.tensor([1], dtype=torch.int32), library=lib)
+    with pytest.raises(ValueError, match="float32 k, v"):
+        run("int8", k.half(), k.half(), cache, torch.tensor([1]), library=lib)

@@ -1,0 +1,209 @@
+"""The GEMM autotuner's cache (kernels/autotune.py): choices are measured once per machine and
+reused; entries from another machine or another cache format are re-measured; an unreadable
+file is ignored with a warning."""
+
+import json
+import logging
+
+import pytest
+import torch
+
+from kvmesh.kernels import autotune
+from kvmesh.kernels.autotune import GemmTuner
+from kvmesh.kernels.cpu_linear import PackedLinear
+
+
+class FakeTimer:
+    """Times nothing: says ``fastest`` is fastest, and counts the measurements."""
+
+    def __init__(self, fastest="onednn"):
+        self.fastest, self.calls = fastest, 0
+
+    def __call__(self, fns, rounds):
+        self.calls += 1
+        return {n: (1.0 if n == self.fastest else 2.0) for n in fns}
+
+
+def _run(tuner, rows=16):
+    lin = PackedLinear(torch.randn(48, 32), tuner=tuner)
+    lin(torch.randn(rows, 32))
+    return lin
+
+
+def test_choice_is_measured_once_then_read_from_disk(tmp_path, caplog):
+    path = tmp_path / "autotune" / "gemm.json"
+    timer = FakeTimer("onednn")
+    with caplog.at_level(logging.INFO, logger="kvmesh.kernels.autotune"):
+        lin = _run(GemmTuner(path, timer=timer))
+    assert lin.plan == {16: "onednn"} and timer.calls == 1
+    assert any("GEMM 32->48 rows<=16: onednn" in r.getMessage() for r in caplog.records)
+    entries = json.loads(path.read_text())["entries"]
+    assert len(entries) == 1 and entries[0]["machine"] == autotune.machine_key()
+    # a second process (a fresh tuner) on the same machine measures nothing
+    again = FakeTimer("linear")
+    assert _run(GemmTuner(path, timer=again)).plan == {16: "onednn"} and again.calls == 0
+    # another bucket is measured and added beside the first
+    _run(GemmTuner(path, timer=again), rows=3)
+    assert again.calls == 1 and len(json.loads(path.read_text())["entries"]) == 2
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("flags", "0123456789abcdef"), ("cpu", "Another CPU"), ("torch", "1.0.0"), ("format", 0)],
+)
+def test_foreign_or_stale_entries_are_remeasured_and_kept(tmp_path, field, value):
+    path = tmp_path / "gemm.json"
+    _run(GemmTuner(path, timer=FakeTimer("mkl")))
+    data = json.loads(path.read_text())
+    (entry,) = data["entries"]
+    if field == "format":
+        entry["format"] = value  # made by an older kvmesh's candidate set
+    else:
+        entry["machine"][field] = value  # copied from another machine / torch
+    path.write_text(json.dumps(data))
+    timer = FakeTimer("onednn")
+    assert _run(GemmTuner(path, timer=timer)).plan == {16: "onednn"}
+    assert timer.calls == 1
+    entries = json.loads(path.read_text())["entries"]
+    choices = sorted(e["choice"] for e in entries)
+    if field == "format":
+        assert choices == ["onednn"]  # the stale entry of this machine is replaced
+    else:
+        assert choices == ["mkl", "onednn"]  # the foreign entry stays for its own machine
+
+
+@pytest.mark.parametrize(
+    "text", ["{not json", '{"entries": 3}', '{"format": 1}', "[1, 2]", '{"entries": [1]}']
+)
+def test_corrupt_cache_is_ignored_with_a_warning_and_rewritten(tmp_path, caplog, text):
+    path = tmp_path / "gemm.json"
+    path.write_text(text)
+    timer = FakeTimer("onednn")
+    with caplog.at_level(logging.WARNING, logger="kvmesh.kernels.autotune"):
+        assert _run(GemmTuner(path, timer=timer)).plan == {16: "onednn"}
+    assert timer.calls == 1
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any("unreadable" in m and str(path) in m for m in msgs)
+    assert json.loads(path.read_text())["entries"][0]["choice"] == "onednn"
+
+
+def test_fixed_modes_measure_nothing_and_bad_mode_is_named(tmp_path):
+    timer = FakeTimer()
+    assert _run(GemmTuner(tmp_path / "g.json", mode="mkl", timer=timer)).plan == {16: "mkl"}
+    legacy = GemmTuner(None, mode="legacy", timer=timer)
+    assert _run(legacy, rows=8).plan == {8: "linear"} and _run(legacy, rows=9).plan == {16: "mkl"}
+    assert timer.calls == 0 and not (tmp_path / "g.json").exists()
+    with pytest.raises(ValueError, match="unknown GEMM mode 'fastest'.*auto"):
+        GemmTuner(None, mode="fastest")
+
+
+def test_exact_mode_times_first_then_checks_faster_candidates_fastest_first(monkeypatch):
+    seen, checked = [], []
+
+    def timer(fns, rounds):
+        seen.append(set(fns))
+        return {"onednn": 1.0, "mkl": 1.5, "linear": 2.0}
+
+    def exact(self, f, b):  # oneDNN is not bit-equal, MKL packed is
+        checked.append(f.__name__)
+        return f.__name__ == "_mkl"
+
+    monkeypatch.setattr(PackedLinear, "_exact", exact)
+    lin = _run(GemmTuner(None, mode="exact", timer=timer), rows=16)
+    assert seen == [{"linear", "mkl", "onednn"}]  # every candidate timed, once
+    assert checked == ["_onednn", "_mkl"] and lin.plan == {16: "mkl"}
+    # a candidate slower than F.linear is never checked: linear wins unchecked
+    checked.clear()
+    slow = lambda fns, rounds: {"onednn": 3.0, "mkl": 1.0, "linear": 2.0}  # noqa: E731
+    monkeypatch.setattr(PackedLinear, "_exact", lambda self, f, b: checked.append(f) or False)
+    assert _run(GemmTuner(None, mode="exact", timer=slow), rows=16).plan == {16: "linear"}
+    assert len(checked) == 1  # mkl only
+
+
+def test_exact_mode_rejects_onednn_by_the_real_check():
+    timer = FakeTimer("onednn")  # oneDNN "fastest": the bit-equality check must reject it
+    lin = _run(GemmTuner(None, mode="exact", timer=timer), rows=16)
+    assert timer.calls == 1 and lin.plan[16] in ("linear", "mkl")
+
+
+def test_products_above_256_rows_run_f_linear_untuned():
+    timer = FakeTimer("onednn")
+    tuner = GemmTuner(None, mode="exact", timer=timer)
+    lin = _run(tuner, rows=257)
+    assert lin.plan == {512: "linear"} and timer.calls == 0 and tuner.measured == 0
+    assert _run(GemmTuner(None, mode="auto", timer=timer), rows=256).plan == {256: "onednn"}
+
+
+def test_plan_is_kept_per_thread_count():
+    timer = FakeTimer("onednn")
+    tuner = GemmTuner(None, timer=timer)
+    lin = _run(tuner)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert lin.plan == {}
+        lin(torch.randn(16, 32))
+        assert timer.calls == 2 and lin.plan == {16: "onednn"}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_isa_environment_is_part_of_the_machine_key(monkeypatch):
+    monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS", raising=False)
+    plain = autotune.machine_key()
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+    assert autotune.machine_key() != plain
+    assert autotune.machine_key()["isa_env"] == {"MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+
+
+def test_two_tuners_sharing_a_file_keep_each_others_entries(tmp_path):
+    """Two worker processes (two tuners, each with its own in-memory copy) write different
+    entries into one gemm.json: none is lost, and one re-reads what the other measured."""
+    path = tmp_path / "gemm.json"
+    a, b = GemmTuner(path, timer=FakeTimer("linear")), GemmTuner(path, timer=FakeTimer("linear"))
+    PackedLinear(torch.randn(48, 32), tuner=a)(torch.randn(16, 32))
+    PackedLinear(torch.randn(64, 32), tuner=b)(torch.randn(16, 32))
+    PackedLinear(torch.randn(80, 32), tuner=a)(torch.randn(16, 32))  # a's copy is stale
+    shapes = sorted(e["shape"][0] for e in json.loads(path.read_text())["entries"])
+    assert shapes == [48, 64, 80]
+    # b misses its in-memory copy for 80, re-reads the file under the lock: measures nothing
+    PackedLinear(torch.randn(80, 32), tuner=b)(torch.randn(16, 32))
+    assert b.timer.calls == 1 and (path.parent / "gemm.json.lock").exists()
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_real_measurement_picks_a_candidate_and_logs_times(tmp_path, caplog):
+    tuner = GemmTuner(tmp_path / "g.json", rounds=2)
+    with caplog.at_level(logging.INFO, logger="kvmesh.kernels.autotune"):
+        lin = _run(tuner, rows=5)
+    assert lin.plan[8] in autotune.CANDIDATES and tuner.measured == 1
+    (msg,) = [r.getMessage() for r in caplog.records if "GEMM" in r.getMessage()]
+    assert "median us: linear" in msg and "mkl" in msg and "onednn" in msg
+
+
+def _tune_in_a_process(i, path):
+    import time
+
+    def timer(fns, rounds):
+        time.sleep(0.02)  # a measurement takes time: the processes overlap
+        return {n: (1.0 if n == "linear" else 2.0) for n in fns}
+
+    tuner = GemmTuner(path, timer=timer)
+    for j in range(4):
+        PackedLinear(torch.randn(8 * (i * 4 + j + 1), 16), tuner=tuner)(torch.randn(4, 16))
+
+
+def test_concurrent_processes_lose_no_entries(tmp_path):
+    """Three worker processes tuning different shapes into one gemm.json at the same time
+    (before the file lock, most entries were lost: each wrote back its own stale copy)."""
+    import multiprocessing
+
+    path = tmp_path / "gemm.json"
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_tune_in_a_process, args=(i, path)) for i in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    assert len(json.loads(path.read_text())["entries"]) == 12
