@@ -107,7 +107,8 @@ def test_compaction_leaves_shared_prefix_pages_untouched_and_cached(llm, shakesp
             private.update(eng.kv.page_ids(req))
 
     req, out = _run(llm, ids, _greedy(20, kv_budget=48, kv_policy="snapkv"), watch)
-    assert req.num_cached_tokens == 80  # it shared the cached prefix...
+    # it shared the cached prefix up to its observation window (96 - 32 tokens)...
+    assert req.num_cached_tokens == 64
     assert req.num_evicted > 0 and private  # ...and was compacted into pages of its own
     # the shared pages: every byte as before, all still cached under their hashes
     assert eng.read_cached_pages(hashes) == before
