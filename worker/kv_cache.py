@@ -202,7 +202,7 @@ class KVCacheManager:
         This does not modify the cache."""
         if not self.enable_prefix_caching:
             return [], 0
-        max_pages = (req.num_tokens - 1) // self.block_size
+        max_pages = req.max_cached_pages()
         pages = []
         for h in req.page_hashes[:max_pages]:
             p = self.pool.lookup(h)

@@ -118,7 +118,7 @@ class KVConnector:
         shorter than what it last reached (its pages were evicted and spilled meanwhile)."""
         if self._closed or (self.store is None and not req.peer_hints):
             return False
-        max_pages = (req.num_tokens - 1) // self.block_size
+        max_pages = req.max_cached_pages()
         n_device = len(device_pages)
         if (
             n_device >= max_pages

@@ -91,6 +91,19 @@ class Request:
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
+    def max_cached_pages(self) -> int:
+        """How many of its first pages a prefix cache (or a tier) may serve: all but the
+        last token's, and none of the tokens whose attention an eviction policy must see
+        (SnapKV's observation window, every H2O query): a cached page is not recomputed."""
+        limit = self.num_tokens - 1
+        if self.kv_budget is not None:
+            from kvmesh.worker.eviction.policies import first_observed
+
+            first = first_observed(self.kv_policy, self.kv_budget, self.num_prompt_tokens)
+            if first is not None:
+                limit = min(limit, first)
+        return limit // self.block_size
+
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)

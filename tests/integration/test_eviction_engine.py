@@ -107,7 +107,8 @@ def test_compaction_leaves_shared_prefix_pages_untouched_and_cached(llm, shakesp
             private.update(eng.kv.page_ids(req))
 
     req, out = _run(llm, ids, _greedy(20, kv_budget=48, kv_policy="snapkv"), watch)
-    assert req.num_cached_tokens == 80  # it shared the cached prefix...
+    # it shared the cached prefix up to its observation window (96 - 32 tokens)...
+    assert req.num_cached_tokens == 64
     assert req.num_evicted > 0 and private  # ...and was compacted into pages of its own
     # the shared pages: every byte as before, all still cached under their hashes
     assert eng.read_cached_pages(hashes) == before
@@ -179,3 +180,21 @@ def test_streaming_matches_transformers_with_the_evicted_tokens_masked(llm, hf_s
         ).logits[0]
     ref = logits[P - 1 :].argmax(-1).tolist()
     assert out.token_ids == ref
+
+
+def test_a_prefix_cache_hit_leaves_the_observed_queries_to_compute(llm, shakespeare):
+    """SnapKV reads its window's attention, H2O every query's: a cached page is not
+    recomputed, so a prefix hit stops short of them (it served the whole prompt but the
+    last token before, and SnapKV then saw 1 to 16 of its 32 window queries)."""
+    P, budget = 120, 48
+    (ids,) = text_prompts(llm.tokenizer, shakespeare, [P])
+    _run(llm, ids, _greedy(2))  # caches the prompt's pages
+    full, _ = _run(llm, ids, _greedy(2))
+    assert full.num_cached_tokens == (P - 1) // BS * BS
+    snap, _ = _run(llm, ids, _greedy(2, kv_budget=budget, kv_policy="snapkv"))
+    window = policies.SnapKV(budget).window
+    assert 0 < snap.num_cached_tokens <= P - window
+    h2o, _ = _run(llm, ids, _greedy(2, kv_budget=budget, kv_policy="h2o"))
+    assert h2o.num_cached_tokens == 0
+    streaming, _ = _run(llm, ids, _greedy(2, kv_budget=budget, kv_policy="streaming"))
+    assert streaming.num_cached_tokens == full.num_cached_tokens

@@ -177,6 +177,13 @@ class RandomKeep(EvictionPolicy):
         return top_and_recent(torch.rand((L, H, N), generator=self.gen), self.budget, 1)
 
 
+def first_observed(name: str, budget: int, num_prompt_tokens: int) -> int | None:
+    """The first prompt position whose attention weights policy ``name`` reads (None: it
+    reads none): those must be computed, not served from a prefix cache."""
+    rows = make_policy(name, budget).observe_rows(range(num_prompt_tokens), num_prompt_tokens)
+    return rows.start if rows else None
+
+
 def make_policy(name: str, budget: int) -> EvictionPolicy:
     if name == "snapkv":
         return SnapKV(budget)
