@@ -44,7 +44,7 @@ run: setup
 	$(BIN)/python -m kvmesh.cluster.demo $(RUN_ARGS)
 
 test: setup
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 test-unit: setup
 	$(BIN)/python -m pytest -q tests/unit
