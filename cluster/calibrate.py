@@ -426,12 +426,7 @@ def _calibrate(model, name, dtype, kv_cache_dtype, redis_url, sizes, text, threa
         "host_s_per_token": statistics.median(host["s_per_token"]),
         "redis_s_per_token": statistics.median(red["s_per_token"]),
     }
-    for k, v in values.items():
-        if not (math.isfinite(v) and v > 0):
-            raise CalibrationError(
-                f"measured {k} = {v}: not a positive number (a busy machine or sizes too "
-                f"small to time); rerun, or raise the sizes"
-            )
+    check_measured(values, log)
     date = started.strftime("%Y-%m-%d")
     profile = SimProfile(
         name=name or f"{model_name}-{device.split(':')[0]}-{cache_format}",
@@ -472,3 +467,26 @@ def _calibrate(model, name, dtype, kv_cache_dtype, redis_url, sizes, text, threa
         },
     }
     return result
+
+
+TIER_COSTS = ("host_s_per_token", "redis_s_per_token")
+
+
+def check_measured(values: dict[str, float], log=lambda msg: None) -> None:
+    """Check measured profile values in place; raise CalibrationError naming a bad one.
+
+    A tier load no slower than a device hit measures as a small number of either sign (host
+    RAM often does): within 5% of the time to recompute a token it is set to 0, "free" to
+    the routing policy. Every other value must be finite and positive."""
+    recompute_s = 1.0 / values["prefill_tokens_per_s"] if values["prefill_tokens_per_s"] > 0 else 0
+    for k in TIER_COSTS:
+        v = values[k]
+        if math.isfinite(v) and v <= 0 and -v < 0.05 * recompute_s:
+            log(f"{k} = {v * 1e6:.1f} us/token: no slower than a device hit, within noise; 0")
+            values[k] = 0.0
+    for k, v in values.items():
+        if not (math.isfinite(v) and (v > 0 or (v == 0 and k in TIER_COSTS))):
+            raise CalibrationError(
+                f"measured {k} = {v}: not a positive number (a busy machine or sizes too "
+                f"small to time); rerun, or raise the sizes"
+            )
