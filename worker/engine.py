@@ -206,7 +206,12 @@ class LLMEngine:
             self.model.cpu_kernels = cpu_kernels.load()
         # per-request KV budgets (worker/eviction): the runner's backend also shows the
         # requests that ask their attention weights
-        self.eviction = EvictionManager(self.memory.layer_caches, self.kv, cfg.num_kv_heads)
+        self.eviction = EvictionManager(
+            self.memory.layer_caches,
+            self.kv,
+            cfg.num_kv_heads,
+            before_write=self.connector.save_evicted,
+        )
         self.runner = ModelRunner(
             self.model,
             self.memory.layer_caches,

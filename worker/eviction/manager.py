@@ -25,6 +25,7 @@ compaction rewrites at most a page's worth of evictions for H2O and StreamingLLM
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -61,8 +62,18 @@ class _Observed:
 
 
 class EvictionManager:
-    def __init__(self, caches: list[LayerCache], kv: KVCacheManager, num_kv_heads: int):
+    def __init__(
+        self,
+        caches: list[LayerCache],
+        kv: KVCacheManager,
+        num_kv_heads: int,
+        before_write: Callable[[], None] | None = None,
+    ):
         self.caches = caches
+        # the engine's ``connector.save_evicted``: pages the pool evicts to give compaction
+        # its private pages may still hold cached KV queued for the tiers under their
+        # hashes; it is copied out before compaction overwrites them
+        self.before_write = before_write
         self.kv = kv
         self.num_layers = len(caches)
         self.num_kv_heads = num_kv_heads
@@ -150,6 +161,8 @@ class EvictionManager:
             self.num_deferred += 1
             logger.debug("request %s: no free pages to compact into; later", req.request_id)
             return
+        if self.before_write is not None:
+            self.before_write()
         dev = self.caches[0].views["k"].device
         table = torch.tensor(self.kv.page_ids(req), dtype=torch.int64, device=dev)
         new_t = torch.tensor([p.page_id for p in new], dtype=torch.int64, device=dev)
