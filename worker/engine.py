@@ -84,13 +84,23 @@ class QueueFullError(RuntimeError):
     """The waiting queue is at ``max_waiting``; retry later (gRPC: RESOURCE_EXHAUSTED)."""
 
 
-def _mla_kv_budget_error(model) -> str:
-    # eviction compacts per-KV-head rows; MLA pages hold one shared latent row per token,
-    # which the policies' per-head scores and the compaction do not cover (docs/eviction.md)
-    return (
-        f"kv_budget is not supported on MLA models ({model} caches one latent row per token, "
-        f"not per-head K/V); unset kv_budget for this model"
-    )
+def _kv_budget_error(model, cfg) -> str | None:
+    """Why a kv_budget cannot run on this model, or None when it can."""
+    if cfg.is_mla:
+        # eviction compacts per-KV-head rows; MLA pages hold one shared latent row per token,
+        # which the policies' per-head scores and the compaction do not cover (docs/eviction.md)
+        return (
+            f"kv_budget is not supported on MLA models ({model} caches one latent row per "
+            f"token, not per-head K/V); unset kv_budget for this model"
+        )
+    if cfg.sliding_window is not None:
+        # the kernels apply the window in cache slots; after a compaction slot distance is
+        # no longer position distance, so the window would be wrong (docs/eviction.md)
+        return (
+            f"kv_budget is not supported on sliding-window models ({model} attends over a "
+            f"window of {cfg.sliding_window} positions); unset kv_budget for this model"
+        )
+    return None
 
 
 class LLMEngine:
@@ -142,8 +152,8 @@ class LLMEngine:
         host_bytes = parse_size(host_cache_memory) if host_cache_memory is not None else None
         t0 = time.monotonic()
         self.model_config = cfg = load_config(self.src)
-        if kv_budget is not None and cfg.is_mla:
-            raise ValueError(_mla_kv_budget_error(self.src))
+        if kv_budget is not None and (why := _kv_budget_error(self.src, cfg)):
+            raise ValueError(why)
         self.model_fp = model_fingerprint(self.src)
         self.tokenizer = Tokenizer.load(self.src, self.model_fp)
         self.model = build_model(cfg, self.src, self.dtype, self.device)
@@ -375,8 +385,8 @@ class LLMEngine:
                 f"kv_policy={params.kv_policy!r} needs a kv_budget: set one (this engine has "
                 f"no default budget)"
             )
-        if kv_budget is not None and self.model_config.is_mla:
-            raise ValueError(_mla_kv_budget_error(self.src))
+        if kv_budget is not None and (why := _kv_budget_error(self.src, self.model_config)):
+            raise ValueError(why)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         req = Request(
             request_id=rid,
