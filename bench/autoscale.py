@@ -36,11 +36,8 @@ import argparse
 import json
 import os
 import random
-import shutil
 import socket
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -63,36 +60,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-class Redis:
-    """A throw-away redis-server on a free loopback port."""
-
-    def __init__(self) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise SystemExit("redis-server not found (apt-get install redis-server)")
-        self.port = _free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.dir = tempfile.mkdtemp(prefix="kvmesh-bench-redis-")
-        args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
-        args += ["--appendonly", "no", "--dir", self.dir, "--loglevel", "warning"]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        import redis
-
-        self.client = redis.Redis(host="127.0.0.1", port=self.port)
-        for _ in range(100):
-            try:
-                if self.client.ping():
-                    return
-            except Exception:
-                time.sleep(0.1)
-        raise SystemExit("redis-server did not start")
-
-    def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def make_trace(a: argparse.Namespace) -> list[tuple[float, int, list[int]]]:
@@ -126,14 +93,15 @@ def make_trace(a: argparse.Namespace) -> list[tuple[float, int, list[int]]]:
     return out
 
 
-def run_one(name: str, trace, a: argparse.Namespace, redis: Redis) -> dict:
+def run_one(name: str, trace, a: argparse.Namespace, redis_url: str) -> dict:
     import ray
+    import redis
 
     from kvmesh.cluster import Client
     from kvmesh.cluster.autoscale import AutoscaleConfig
     from kvmesh.cluster.serve import Cluster, ClusterConfig
 
-    redis.client.flushall()
+    redis.Redis.from_url(redis_url).flushall()
     autoscale = None
     if name != "fixed":
         autoscale = AutoscaleConfig(
@@ -154,7 +122,7 @@ def run_one(name: str, trace, a: argparse.Namespace, redis: Redis) -> dict:
         engine_args=dict(
             kv_cache_memory=a.kv_cache_memory,
             host_cache_memory=a.host_cache_memory,
-            redis_url=redis.url,
+            redis_url=redis_url,
             max_num_seqs=a.max_num_seqs,
             max_num_batched_tokens=512,
         ),
@@ -346,14 +314,13 @@ def main(argv: list[str] | None = None) -> int:
         "trace_requests": len(trace),
         "runs": {},
     }
-    redis = Redis()
-    try:
+    from kvmesh.cluster.calibrate import redis_url_for
+
+    with redis_url_for(None) as redis_url:  # a throwaway loopback redis-server
         for name in runs:
             print(f"run {name} ...", file=sys.stderr, flush=True)
-            out["runs"][name] = run_one(name, trace, a, redis)
+            out["runs"][name] = run_one(name, trace, a, redis_url)
             out["runs"][name]["loadavg_1m_after"] = round(os.getloadavg()[0], 2)
-    finally:
-        redis.close()
     r = out["runs"]
 
     def ratio(x, y, key):

@@ -15,15 +15,11 @@ import argparse
 import hashlib
 import json
 import os
-import shutil
-import socket
-import subprocess
-import sys
-import tempfile
 import time
 
 from machine import machine_info
 
+from kvmesh.cluster.calibrate import redis_url_for
 from kvmesh.kvstore.codec import PageSpec, checksum, decode, encode
 from kvmesh.kvstore.redis_tier import redis_throughput
 
@@ -78,32 +74,6 @@ def raw_redis_baseline(url: str, n_pages: int, page_nbytes: int, repeats: int) -
     return {"raw_put_gbps": total / min(put_s) / 1e9, "raw_get_gbps": total / min(get_s) / 1e9}
 
 
-def start_redis() -> tuple[subprocess.Popen, str, tempfile.TemporaryDirectory]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        sys.exit("redis-server not found: install it with `apt-get install -y redis-server`")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    tmp = tempfile.TemporaryDirectory(prefix="kvmesh-bench-redis-")
-    args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
-    args += ["--appendonly", "no", "--dir", tmp.name]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    import redis
-
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            if redis.Redis.from_url(url, socket_connect_timeout=0.2).ping():
-                return proc, url, tmp
-        except redis.RedisError:
-            if time.monotonic() > deadline:
-                proc.kill()
-                sys.exit("redis-server did not start")
-            time.sleep(0.05)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--url", default=None, help="an existing Redis (default: start one)")
@@ -112,11 +82,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
 
-    proc = tmp = None
-    url = args.url
-    if url is None:
-        proc, url, tmp = start_redis()
-    try:
+    # the given Redis (it must answer PING), or a throwaway loopback redis-server
+    with redis_url_for(args.url) as url:
         out = {"page_nbytes": args.page_nbytes, "n_pages": args.pages}
         out["codec"] = codec_costs(args.page_nbytes)
         out["redis_tier"] = redis_throughput(
@@ -124,11 +91,6 @@ def main() -> None:
         )
         out["redis_raw"] = raw_redis_baseline(url, args.pages, args.page_nbytes, args.repeats)
         out["loadavg_1m"] = os.getloadavg()[0]
-    finally:
-        if proc is not None:
-            proc.kill()
-            proc.wait()
-            tmp.cleanup()
     out["machine"] = machine_info()  # CPU model and SIMD flags
     print(json.dumps(out, indent=1))
 

@@ -234,3 +234,27 @@ def member_channel(address: str, identity: ClusterIdentity = TEST_IDENTITY):
             return continuation(self._with(details), requests)
 
     return grpc.intercept_channel(grpc.insecure_channel(address), AddMetadata())
+
+
+def tiny_deepseek_config(**overrides) -> dict:
+    """A DeepSeek-V3 config (Hugging Face field names) small enough for a unit test: every
+    layer dense (kvmesh runs no mixture-of-experts), plain q_proj, MLA dimensions that
+    differ from each other so a swapped one shows."""
+    cfg = dict(
+        architectures=["DeepseekV3ForCausalLM"],
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=None,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=16,
+        v_head_dim=8,
+        first_k_dense_replace=2,
+        max_position_embeddings=4096,
+    )
+    cfg.update(overrides)
+    return cfg

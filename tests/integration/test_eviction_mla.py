@@ -9,21 +9,16 @@ from __future__ import annotations
 
 import pytest
 import transformers
+from helpers import tiny_deepseek_config
 
 from kvmesh.worker import LLM, SamplingParams
 
-CFG = dict(
+CFG = tiny_deepseek_config(
     vocab_size=256,
-    hidden_size=32,
-    intermediate_size=64,
     num_hidden_layers=1,
     num_attention_heads=2,
     num_key_value_heads=2,
-    kv_lora_rank=16,
-    q_lora_rank=None,
-    qk_nope_head_dim=8,
     qk_rope_head_dim=8,
-    v_head_dim=8,
     first_k_dense_replace=1,
     max_position_embeddings=256,
     bos_token_id=1,

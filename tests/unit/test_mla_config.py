@@ -4,23 +4,11 @@ field; mixture-of-experts layers are counted as transformers counts them."""
 from __future__ import annotations
 
 import pytest
+from helpers import tiny_deepseek_config
 
 from kvmesh.worker.models.config import ModelConfig
 
-BASE = dict(
-    architectures=["DeepseekV3ForCausalLM"],
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    q_lora_rank=None,
-    kv_lora_rank=16,
-    qk_nope_head_dim=8,
-    qk_rope_head_dim=16,
-    v_head_dim=8,
-    n_routed_experts=None,
-)
+BASE = tiny_deepseek_config(n_routed_experts=None)
 
 
 def test_base_parses():

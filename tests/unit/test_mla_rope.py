@@ -5,26 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import tiny_deepseek_config
 
 from kvmesh.worker.models.config import ModelConfig
 from kvmesh.worker.models.deepseek import mla_rope, mla_softmax_scale
 
-BASE = dict(
-    architectures=["DeepseekV3ForCausalLM"],
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    q_lora_rank=None,
-    kv_lora_rank=16,
-    qk_nope_head_dim=8,
-    qk_rope_head_dim=16,
-    v_head_dim=8,
-    first_k_dense_replace=2,
-    max_position_embeddings=4096,
-)
+BASE = tiny_deepseek_config()
 YARN = [
     # DeepSeek-V3's own values
     dict(factor=40.0, original_max_position_embeddings=4096 // 40, mscale=1.0, mscale_all_dim=1.0,

@@ -21,7 +21,7 @@ from torch import nn
 
 from kvmesh.worker.attention import AttentionBackend, LayerCache
 from kvmesh.worker.models.config import ModelConfig
-from kvmesh.worker.models.llama import MLP, RMSNorm
+from kvmesh.worker.models.llama import LlamaForCausalLM, RMSNorm, build_decoder
 
 _LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: transformers' default, not the config's
 
@@ -79,7 +79,6 @@ class MLARotary(nn.Module):
         super().__init__()
         inv, self.attention_factor = mla_rope(cfg)
         self.register_buffer("inv_freq", inv, persistent=False)
-        self.interleave = cfg.rope_interleave
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
         """cos, sin (T, 1, rope/2), YaRN's attention factor applied."""
@@ -87,14 +86,15 @@ class MLARotary(nn.Module):
         f = self.attention_factor
         return (freqs.cos() * f).to(dtype)[:, None, :], (freqs.sin() * f).to(dtype)[:, None, :]
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x (T, h, rope) -> rotated (T, h, rope), in the two-halves layout either way:
-        interleaved weights pair (x0, x1), (x2, x3), ...; the others (x_i, x_{i + rope/2})."""
-        if self.interleave:
-            x1, x2 = x[..., 0::2], x[..., 1::2]
-        else:
-            x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+def mla_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool):
+    """x (T, h, rope) -> rotated (T, h, rope), in the two-halves layout either way:
+    interleaved weights pair (x0, x1), (x2, x3), ...; the others (x_i, x_{i + rope/2})."""
+    if interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class MLAttention(nn.Module):
@@ -116,23 +116,27 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(self.rank, self.nh * (self.nope + self.vd), bias=False)
         self.o_proj = nn.Linear(self.nh * self.vd, h, bias=cfg.o_bias)
         self.scale = mla_softmax_scale(cfg)
+        self.interleave = cfg.rope_interleave
 
     def up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK (H, nope, rank) and W_UV (H, v, rank): views of kv_b_proj's weight."""
         w = self.kv_b_proj.weight.view(self.nh, self.nope + self.vd, self.rank)
         return w[:, : self.nope], w[:, self.nope :]
 
-    def forward(self, x, cos, sin, rotary: MLARotary, cache: LayerCache, backend):
+    def forward(self, x, cos, sin, cache: LayerCache, backend: AttentionBackend):
         T = x.shape[0]
         if self.q_lora:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         else:
             q = self.q_proj(x)
         q = q.view(T, self.nh, self.nope + self.rope)
-        q_nope, q_pe = q[..., : self.nope], rotary.apply(q[..., self.nope :], cos, sin)
+        q_nope, q_pe = (
+            q[..., : self.nope],
+            mla_rotate(q[..., self.nope :], cos, sin, self.interleave),
+        )
         ckv = self.kv_a_proj_with_mqa(x)  # (T, rank + rope)
         c = self.kv_a_layernorm(ckv[:, : self.rank])  # (T, rank)
-        k_pe = rotary.apply(ckv[:, None, self.rank :], cos, sin)[:, 0]  # (T, rope)
+        k_pe = mla_rotate(ckv[:, None, self.rank :], cos, sin, self.interleave)[:, 0]  # (T, rope)
         latent = torch.cat((c, k_pe), dim=-1)  # (T, rank + rope): the cached row
         w_uk, w_uv = self.up_weights()
         o = backend.forward_mla(
@@ -141,70 +145,18 @@ class MLAttention(nn.Module):
         return self.o_proj(o.reshape(T, self.nh * self.vd))
 
 
-class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.self_attn = MLAttention(cfg)
-        self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, x, cos, sin, rotary, cache, backend):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, rotary, cache, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class DeepseekModel(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary_emb = MLARotary(cfg)
-
-
-class DeepseekForCausalLM(nn.Module):
-    """``forward`` returns logits (len(logit_indices), vocab) for the selected tokens only.
+class DeepseekForCausalLM(LlamaForCausalLM):
+    """Llama's decoder shell (pre-norm blocks, dense MLP, tied or untied head) with MLA
+    attention and DeepSeek's rotary. It is never fused and never takes the C layer path
+    (``cpu_kernels`` stays None: the engine loads the C kernels for Llama models only).
     The backend must offer ``forward_mla`` (``worker.attention.mla.MLABackend``)."""
 
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.config = cfg
-        self.model = DeepseekModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.cpu_kernels = None  # unused: the engine loads the C kernels for Llama models only
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # (T,)
-        positions: torch.Tensor,  # (T,)
-        caches: list[LayerCache],  # one per layer: latent page views
-        backend: AttentionBackend,
-        logit_indices: torch.Tensor,  # (S,) indices into the T tokens
-    ) -> torch.Tensor:
-        m = self.model
-        x = m.embed_tokens(input_ids)  # (T, hidden)
-        cos, sin = m.rotary_emb(positions, x.dtype)
-        for i, layer in enumerate(m.layers):
-            x = layer(x, cos, sin, m.rotary_emb, caches[i], backend)
-        x = m.norm(x[logit_indices])  # (S, hidden)
-        return self.lm_head(x).float()  # (S, vocab)
+    attention_cls = MLAttention
+    rotary_cls = MLARotary
 
 
 def build_deepseek(
     cfg: ModelConfig, src, dtype: torch.dtype, device: torch.device
 ) -> DeepseekForCausalLM:
     """The model of ``cfg`` with the weights of ``src``, strictly loaded, in eval mode."""
-    from kvmesh.worker.models.loader import load_weights
-
-    with torch.device("meta"):
-        model = DeepseekForCausalLM(cfg)
-    model = model.to_empty(device=device).to(dtype)
-    # buffers made on the meta device hold garbage after to_empty; rope stays float32
-    model.model.rotary_emb.inv_freq = mla_rope(cfg)[0].to(device)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    load_weights(model, src, dtype)
-    return model.eval()
+    return build_decoder(DeepseekForCausalLM, cfg, src, dtype, device, mla_rope(cfg)[0])

@@ -150,9 +150,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """Pre-norm residual block; ``attention_cls`` is the one part that differs between the
+    decoders built here (Llama's GQA ``Attention``, DeepSeek's ``MLAttention``)."""
+
+    def __init__(self, cfg: ModelConfig, attention_cls: type[nn.Module] = Attention):
         super().__init__()
-        self.self_attn = Attention(cfg)
+        self.self_attn = attention_cls(cfg)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -163,21 +166,27 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(
+        self, cfg: ModelConfig, attention_cls: type[nn.Module], rotary_cls: type[nn.Module]
+    ):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, attention_cls) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(cfg)
+        self.rotary_emb = rotary_cls(cfg)
 
 
 class LlamaForCausalLM(nn.Module):
-    """``forward`` returns logits (len(logit_indices), vocab) for the selected tokens only."""
+    """``forward`` returns logits (len(logit_indices), vocab) for the selected tokens only.
+    A subclass swaps the attention and rotary modules (``worker/models/deepseek.py``)."""
+
+    attention_cls: type[nn.Module] = Attention
+    rotary_cls: type[nn.Module] = RotaryEmbedding
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg)
+        self.model = DecoderModel(cfg, self.attention_cls, self.rotary_cls)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -239,17 +248,30 @@ def build_model(
     cfg: ModelConfig, src, dtype: torch.dtype, device: torch.device
 ) -> LlamaForCausalLM:
     """The model of ``cfg`` with the weights of ``src`` (a ``loader.ModelSource``), fused
-    for inference, in eval mode. Built on the meta device first: no weight is allocated
-    twice."""
+    for inference, in eval mode."""
+    model = build_decoder(LlamaForCausalLM, cfg, src, dtype, device, rope_inv_freq(cfg))
+    model.fuse_projections()
+    return model
+
+
+def build_decoder(
+    model_cls: type[LlamaForCausalLM],
+    cfg: ModelConfig,
+    src,
+    dtype: torch.dtype,
+    device: torch.device,
+    inv_freq: torch.Tensor,
+) -> LlamaForCausalLM:
+    """``model_cls(cfg)`` strictly loaded from ``src``, in eval mode. Built on the meta
+    device first: no weight is allocated twice."""
     from kvmesh.worker.models.loader import load_weights
 
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = model_cls(cfg)
     model = model.to_empty(device=device).to(dtype)
     # buffers made on the meta device hold garbage after to_empty; rope stays float32
-    model.model.rotary_emb.inv_freq = rope_inv_freq(cfg).to(device)
+    model.model.rotary_emb.inv_freq = inv_freq.to(device)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     load_weights(model, src, dtype)
-    model.fuse_projections()
     return model.eval()
