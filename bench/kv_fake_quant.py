@@ -21,8 +21,18 @@ clipping, and a trailing partial group quantized too. ``kvmesh`` applies
     python bench/kv_fake_quant.py --text ../shared/data/tinyshakespeare.txt \
         --design plain --design kvmesh --design plain,rotate_v=1
 
+``residual=16`` shows decode's view instead: a query reads the K/V of its own 16-token page
+exact (the engine's full-precision residual slot) and earlier pages quantized.
+
+Windows are scored one at a time: the fp32 pass, then every design on the same window, so
+a design's KL(fp32 || design) over each position's full next-token distribution comes for
+free. KL is positive at every token and does not cancel, so it ranks designs with far less
+noise than a perplexity change (docs/formats.md, issue 23). Progress and each window's
+numbers go to stderr.
+
 Prints one JSON object: the fp32 perplexity and, per design, its perplexity, its change
-against fp32 and its bits per value (packed codes plus scales; alignment padding ignored).
+against fp32, the smallest and largest single-window change, KL per predicted token and its
+bits per value (packed codes plus scales; alignment padding ignored).
 """
 
 from __future__ import annotations
