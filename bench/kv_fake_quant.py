@@ -21,8 +21,18 @@ clipping, and a trailing partial group quantized too. ``kvmesh`` applies
     python bench/kv_fake_quant.py --text ../shared/data/tinyshakespeare.txt \
         --design plain --design kvmesh --design plain,rotate_v=1
 
+``residual=16`` shows decode's view instead: a query reads the K/V of its own 16-token page
+exact (the engine's full-precision residual slot) and earlier pages quantized.
+
+Windows are scored one at a time: the fp32 pass, then every design on the same window, so
+a design's KL(fp32 || design) over each position's full next-token distribution comes for
+free. KL is positive at every token and does not cancel, so it ranks designs with far less
+noise than a perplexity change (docs/formats.md, issue 23). Progress and each window's
+numbers go to stderr.
+
 Prints one JSON object: the fp32 perplexity and, per design, its perplexity, its change
-against fp32 and its bits per value (packed codes plus scales; alignment padding ignored).
+against fp32, the smallest and largest single-window change, KL per predicted token and its
+bits per value (packed codes plus scales; alignment padding ignored).
 """
 
 from __future__ import annotations
@@ -60,6 +70,9 @@ class Design:
     partial: int = 1  # 1: a trailing partial group is quantized too (the KIVI reference)
     kvmesh: int = 0  # 1: kvmesh's own quant.quantize_pages("int4"), other fields ignored
     jitter: int = 0  # > 0: seed of a relative 1e-6 perturbation of K/V before quantizing
+    sink: int = 0  # > 0: the window's first ``sink`` tokens keep exact K/V (attention sinks)
+    residual: int = 0  # > 0: a query reads exact K/V of its own ``residual``-token page (what
+    # decode sees: the partial last page lives in the full-precision residual slot)
 
     @classmethod
     def parse(cls, spec: str) -> Design:
@@ -190,22 +203,53 @@ def quant_kv(key: torch.Tensor, value: torch.Tensor, d: Design):
     return kq, vq
 
 
+def quant_kv_sink(key: torch.Tensor, value: torch.Tensor, d: Design):
+    """``quant_kv`` with the first ``d.sink`` tokens left exact (quantization still sees
+    them, so groups keep their shape: only what the sink tokens read back changes)."""
+    kq, vq = quant_kv(key, value, d)
+    if d.sink:
+        kq[:, : d.sink] = key[:, : d.sink]
+        vq[:, : d.sink] = value[:, : d.sink]
+    return kq, vq
+
+
 def make_attention(d: Design):
     def attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
         # query (1, Hq, S, D); key, value (1, Hkv, S, D): one whole window, one pass
         D = query.shape[-1]
         rot_v = bool(d.rotate_v or (d.kvmesh and _kvmesh_rotates_v(D)))
         v_in = hadamard(value) if rot_v else value
-        kq, vq = quant_kv(key[0].float(), v_in[0].float(), d)
+        kq, vq = quant_kv_sink(key[0].float(), v_in[0].float(), d)
         kq, vq = kq[None].to(key.dtype), vq[None].to(value.dtype)
-        o = F.scaled_dot_product_attention(
-            query, kq, vq, is_causal=True, scale=scaling, enable_gqa=True
-        )  # (1, Hq, S, D)
+        if d.residual:
+            o = _residual_attention(query, key, v_in, kq, vq, scaling, d.residual)
+        else:
+            o = F.scaled_dot_product_attention(
+                query, kq, vq, is_causal=True, scale=scaling, enable_gqa=True
+            )  # (1, Hq, S, D)
         if rot_v:
             o = hadamard(o)
         return o.transpose(1, 2).contiguous(), None
 
     return attention
+
+
+def _residual_attention(query, key, value, kq, vq, scaling, page: int) -> torch.Tensor:
+    """Causal attention in which query t reads exact K/V for the keys of its own page
+    (positions ``t // page * page .. t``) and quantized K/V for every earlier page: decode's
+    view, where the partial page is the full-precision residual slot."""
+    Hq, S, D = query.shape[1:]
+    rep = Hq // key.shape[1]
+    k, v, kq, vq = (x[0].repeat_interleave(rep, 0) for x in (key, value, kq, vq))
+    q = query[0]
+    scale = scaling if scaling is not None else D**-0.5
+    pos = torch.arange(S)
+    same = (pos[:, None] // page) == (pos[None, :] // page)  # (S, S): key in the query's page
+    causal = pos[None, :] <= pos[:, None]
+    sc = torch.where(same, q @ k.transpose(1, 2), q @ kq.transpose(1, 2)) * scale
+    p = torch.softmax(sc.masked_fill(~causal, float("-inf")), -1)
+    o = (p * same) @ v + (p * ~same) @ vq  # (Hq, S, D)
+    return o[None]
 
 
 def _kvmesh_rotates_v(head_size: int) -> bool:
@@ -240,25 +284,52 @@ def windows(tok, text: str, context: int, n: int, skip: int = 0) -> list[list[in
     return [ids[i * context : (i + 1) * context] for i in range(skip, skip + n)]
 
 
-def nll(model, wins: list[list[int]], d: Design | None) -> tuple[float, int]:
+def log_probs(model, ids: list[int], d: Design | None) -> torch.Tensor:
+    """(S - 1, vocab) fp32 next-token log-probabilities of one window, K/V fake-quantized by
+    ``d`` (None: fp32)."""
     from transformers import AttentionInterface
 
     before = model.config._attn_implementation
     if d is not None:
         AttentionInterface.register("kvmesh_fake_quant", make_attention(d))
         model.set_attn_implementation("kvmesh_fake_quant")
-    total, count = 0.0, 0
     try:
         with torch.no_grad():
-            for ids in wins:
-                x = torch.tensor([ids])
-                logits = model(x).logits[0, :-1].float()  # (S - 1, vocab)
-                lp = torch.log_softmax(logits, -1).gather(1, x[0, 1:, None])
-                total -= lp.sum().item()
-                count += len(ids) - 1
+            return torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), -1)
     finally:
         model.set_attn_implementation(before)
-    return total, count
+
+
+def score(model, wins: list[list[int]], designs: list[Design]) -> tuple[dict, list[dict]]:
+    """Window by window: the fp32 pass, then every design on the same window. Per design the
+    summed NLL, each window's NLL (for the spread) and the summed KL(fp32 || design) over
+    predicted tokens: KL is positive per token, so unlike a perplexity change it does not
+    cancel, and it ranks designs with far less run-to-run noise."""
+    base = {"nll": 0.0, "win_nll": []}
+    rows = [{"nll": 0.0, "win_nll": [], "kl": 0.0} for _ in designs]
+    for w, ids in enumerate(wins):
+        t0 = time.monotonic()
+        ref = log_probs(model, ids, None)
+        tgt = torch.tensor(ids[1:])[:, None]
+        b = -ref.gather(1, tgt).sum().item()
+        base["nll"] += b
+        base["win_nll"].append(b)
+        for d, row in zip(designs, rows):
+            lp = log_probs(model, ids, d)
+            x = -lp.gather(1, tgt).sum().item()
+            row["nll"] += x
+            row["win_nll"].append(x)
+            kl = (ref.exp() * (ref - lp)).sum().item()
+            row["kl"] += kl
+            del lp
+            print(
+                f"  window {w} {d}: change {math.exp((x - b) / (len(ids) - 1)) - 1:+.4%} "
+                f"KL {kl / (len(ids) - 1):.4e}",
+                file=sys.stderr,
+                flush=True,
+            )
+        print(f"window {w}: {time.monotonic() - t0:.0f}s", file=sys.stderr, flush=True)
+    return base, rows
 
 
 def main() -> None:
@@ -275,34 +346,36 @@ def main() -> None:
     model, tok = load_model()
     text = Path(args.text).read_text()
     wins = windows(tok, text, args.context, args.windows, args.skip)
-    t0 = time.monotonic()
-    base, n = nll(model, wins, None)
+    designs = [Design.parse(spec) for spec in args.design]
+    n = sum(len(w) - 1 for w in wins)
+    base, rows = score(model, wins, designs)
     out = {
         "text": str(Path(args.text).resolve()),
         "context": args.context,
         "windows": args.windows,
         "skip": args.skip,
         "tokens": n,
-        "fp32_ppl": math.exp(base / n),
+        "fp32_ppl": math.exp(base["nll"] / n),
         "designs": {},
     }
-    print(f"fp32 ppl {out['fp32_ppl']:.4f} ({time.monotonic() - t0:.0f}s)", file=sys.stderr)
     head = model.config.head_dim if hasattr(model.config, "head_dim") else 64
-    for spec in args.design:
-        d = Design.parse(spec)
-        t0 = time.monotonic()
-        tot, _ = nll(model, wins, d)
-        ppl = math.exp(tot / n)
-        row = {
+    for spec, d, row in zip(args.design, designs, rows):
+        ppl = math.exp(row["nll"] / n)
+        per_win = [
+            math.exp((x - b) / (len(w) - 1)) - 1
+            for x, b, w in zip(row["win_nll"], base["win_nll"], wins)
+        ]
+        out["designs"][spec] = {
             "ppl": ppl,
             "change": ppl / out["fp32_ppl"] - 1,
+            "window_change_min": min(per_win),
+            "window_change_max": max(per_win),
+            "kl_per_token": row["kl"] / n,
             "bits_per_value": d.bits_per_value(head),
         }
-        out["designs"][spec] = row
         print(
-            f"{spec}: {ppl:.4f} {row['change'] * 100:+.3f}% ({time.monotonic() - t0:.0f}s)",
+            f"{spec}: {ppl:.4f} {(ppl / out['fp32_ppl'] - 1) * 100:+.3f}% KL {row['kl'] / n:.3e}",
             file=sys.stderr,
-            flush=True,
         )
     print(json.dumps(out, indent=2))
 
