@@ -55,6 +55,35 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument(
+        "--kv-budget",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="default KV budget of every request that sets none: at most this many tokens of "
+        "its cache are kept (docs/eviction.md; default: no eviction; a request opts out with "
+        "kv_policy='none')",
+    )
+    p.add_argument(
+        "--kv-policy",
+        default="snapkv",
+        help="eviction policy of that default budget: snapkv (default), h2o, streaming, random",
+    )
+
+
+def _eviction_kwargs(a: argparse.Namespace) -> dict:
+    """--kv-budget / --kv-policy, checked here with the flags' names (before any engine or
+    cluster starts)."""
+    from kvmesh.worker.sampling_params import validate_kv_budget
+
+    try:
+        validate_kv_budget(a.kv_budget, a.kv_policy, opt_out=False)
+    except ValueError as e:
+        msg = str(e).replace("kv_budget", "--kv-budget").replace("kv_policy", "--kv-policy")
+        raise ValueError(msg) from None
+    if a.kv_budget is None and a.kv_policy != "snapkv":
+        raise ValueError(f"--kv-policy {a.kv_policy} needs a --kv-budget (the default budget)")
+    return dict(kv_budget=a.kv_budget, kv_policy=a.kv_policy)
 
 
 def _engine_kwargs(
@@ -76,6 +105,7 @@ def _engine_kwargs(
         redis_ttl_s=a.redis_ttl or None,
         redis_namespace=a.redis_namespace,
         extra_tiers=_peer_tiers(a.peer, security) if peer_tiers else [],
+        **_eviction_kwargs(a),
     )
 
 

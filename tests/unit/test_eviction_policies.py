@@ -59,12 +59,14 @@ def observe_all(scores: torch.Tensor, q_layers, k_layers, qpos0: int, bs: int = 
         pages.view(-1, HKV, D)[bs : bs + N] = k  # page 0: the null page
         caches.append(LayerCache("fp32", {"k": pages, "v": torch.zeros_like(pages)}))
     mgr = EvictionManager.__new__(EvictionManager)
+    mgr.num_layers, mgr.failures = len(k_layers), {}
     st = EvictionState(SnapKV(8), scores)
     m = q_layers[0].shape[0]
     table = torch.arange(1, P + 1)
     mgr._observed = [_Observed(st, 0, m, qpos0, N, table, -1)]
     for layer, q in enumerate(q_layers):
         mgr.observe(layer, q, caches[layer], 1 / math.sqrt(D))
+    mgr._flush()  # the step's one move of the observed attention into the scores
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
