@@ -230,3 +230,15 @@ def test_cli_rejects_a_budget_that_is_not_a_number(capsys):
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["worker", "--kv-budget", "lots"])
     assert "--kv-budget" in capsys.readouterr().err
+
+
+def test_a_streaming_decode_compaction_keeps_every_page_but_the_sinks_whole():
+    from kvmesh.worker.eviction.policies import streaming_keep
+
+    budget = 10 * BS
+    n = budget + BS  # a decode compaction: one page's worth over the budget
+    keep = streaming_keep(n, budget, 2).expand(H, -1)
+    # result page 0: the 2 sinks and the tail of old page 1 (changed); page j: old page j + 1
+    assert unchanged_pages(keep, n, BS).tolist() == [-1, *range(2, 11)]
+    keep = streaming_keep(n, budget, BS).expand(H, -1)  # sinks filling page 0: it is whole too
+    assert unchanged_pages(keep, n, BS).tolist() == [0, *range(2, 11)]
