@@ -67,7 +67,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-policy",
         default="snapkv",
-        help="eviction policy of that default budget: snapkv (default), h2o, streaming, random",
+        help="eviction policy of that default budget: snapkv (default), h2o, streaming, "
+        "scissorhands, random",
     )
 
 

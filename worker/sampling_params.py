@@ -21,7 +21,7 @@ MAX_CACHE_SALT_CHARS = 1024
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 # KV eviction (docs/eviction.md): the policies, and the smallest budget (sinks and windows
 # need room)
-KV_POLICIES = ("snapkv", "h2o", "streaming", "random")
+KV_POLICIES = ("snapkv", "h2o", "streaming", "random", "scissorhands")
 # a request's explicit opt-out: its full cache, whatever the engine's default budget
 KV_POLICY_NONE = "none"
 MIN_KV_BUDGET = 8
@@ -57,7 +57,8 @@ class SamplingParams:
     still end the output.
 
     ``kv_budget`` bounds the request's KV cache to that many tokens and ``kv_policy``
-    (``snapkv``, ``h2o``, ``streaming``, or the ``random`` baseline) says which it keeps
+    (``snapkv``, ``h2o``, ``streaming``, ``scissorhands``, or the ``random`` baseline) says
+    which it keeps
     (docs/eviction.md); either unset takes the engine's default (``kv_budget=None`` with
     no engine default: no eviction). ``kv_policy="none"`` opts out: the full cache, even
     on an engine with a default budget (it takes no ``kv_budget``). Like ``cache_salt``,

@@ -2,7 +2,7 @@
 eviction fails that request alone, a first compaction put off for want of pages keeps
 SnapKV's vote, the observed attention leaves the device once per step, a request opts out
 of the engine's default budget with kv_policy="none", and the eviction metrics count what
-the engine did."""
+the engine did (with the deferred compaction)."""
 
 import pytest
 import torch
@@ -15,6 +15,10 @@ from kvmesh.worker.config import EvictionConfig
 from kvmesh.worker.eviction import manager as manager_mod
 
 BS = 16
+
+
+def _greedy(n, **kw):
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +39,12 @@ def prompts(llm, shakespeare):
     return text_prompts(llm.tokenizer, shakespeare, [80, 72])
 
 
-def _greedy(n, **kw):
-    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw)
+def _samples(registry) -> dict[tuple, float]:
+    out = {}
+    for fam in text_string_to_metric_families(generate_latest(registry).decode()):
+        for s in fam.samples:
+            out[(s.name, s.labels.get("policy"))] = s.value
+    return out
 
 
 def _run_all(llm, items):
@@ -53,14 +61,21 @@ def _run_all(llm, items):
     return reqs, final
 
 
+B_PARAMS = _greedy(6, kv_budget=48, kv_policy="streaming")  # compacted after its prompt
+
+
+@pytest.fixture(scope="module")
+def b_alone(llm, prompts):
+    return llm.generate([prompts[1]], B_PARAMS)[0]
+
+
 @pytest.mark.parametrize("where", ["observe", "compact"])
-def test_a_fault_in_one_requests_eviction_fails_it_alone(llm, prompts, monkeypatch, where):
+def test_a_fault_in_one_requests_eviction_fails_it_alone(llm, prompts, b_alone, monkeypatch, where):
     """An exception in one request's attention observation (H2O observes every query) or in
     its compaction finishes it with finish_reason "error"; the other request of the same
-    batch gets the uncompressed engine's tokens, and no page is leaked."""
+    batch, compacted too, gets the tokens it gets alone, and no page is leaked."""
     a_ids, b_ids = prompts
-    b_params = _greedy(6, kv_budget=48, kv_policy="streaming")  # compacted after its prompt
-    base = llm.generate([b_ids], b_params)[0]
+    b_params, base = B_PARAMS, b_alone
     free0 = llm.engine.kv.num_free_pages
     victim = {}
     mgr = llm.engine.eviction
@@ -135,8 +150,11 @@ def test_a_deferred_first_compaction_keeps_snapkvs_vote(llm, prompts, monkeypatc
 
     monkeypatch.setattr(kv, "take_private_pages", no_pages_once)
     deferred0 = mgr.num_deferred
+    reg = llm.engine.metrics.registry
+    before = _samples(reg)
     (req,), _ = _run_all(llm, [(ids, sp)])
     assert mgr.num_deferred == deferred0 + 1
+    after = _samples(reg)
     n1, first1, late = seen[1]  # seen[0]: the attempt that found no pages
     assert (n1, first1) == (81, True)
     assert late.shape[-1] == budget
@@ -148,7 +166,17 @@ def test_a_deferred_first_compaction_keeps_snapkvs_vote(llm, prompts, monkeypatc
             assert window <= kept  # the observation window
             # the prompt slots kept are those the on-time vote kept (less the lowest one)
             assert kept - {80} <= set(on_time[layer, h].tolist()), (layer, h)
-    assert req.num_evicted > 0
+    assert req.num_evicted == 81 - budget
+
+    # the eviction metrics count it: one compaction of 33 tokens, one put off, all SnapKV's
+    def delta(name, policy="snapkv"):
+        return after[(name, policy)] - before[(name, policy)]
+
+    assert delta("kvmesh:kv_compactions_total") == 1
+    assert delta("kvmesh:kv_evicted_tokens_total") == 81 - budget
+    assert delta("kvmesh:kv_compactions_deferred_total") == 1
+    assert ("kvmesh:kv_compactions_total", "h2o") in after  # every policy, from the start
+    assert delta("kvmesh:kv_compactions_total", "h2o") == 0
 
 
 def test_the_observed_attention_leaves_the_device_once_per_step(llm, prompts, monkeypatch):
@@ -186,31 +214,3 @@ def test_kv_policy_none_opts_out_of_the_engine_default(llm, prompts, monkeypatch
     assert (dflt.kv_budget, dflt.kv_policy) == (32, "streaming") and dflt.num_evicted > 0
     assert (out_out.kv_budget, out_out.kv_policy, out_out.num_evicted) == (None, None, 0)
     assert final[out_out.request_id].token_ids == base.token_ids
-
-
-def _samples(registry) -> dict[tuple, float]:
-    out = {}
-    for fam in text_string_to_metric_families(generate_latest(registry).decode()):
-        for s in fam.samples:
-            out[(s.name, s.labels.get("policy"))] = s.value
-    return out
-
-
-def test_eviction_metrics_count_compactions_and_evicted_tokens(llm, prompts):
-    ids, _ = prompts
-    reg = llm.engine.metrics.registry
-    before = _samples(reg)
-    assert ("kvmesh:kv_compactions_total", "h2o") in before  # every policy, from the start
-    mgr = llm.engine.eviction
-    c0, e0 = mgr.num_compactions, mgr.num_evicted_tokens
-    (req,), _ = _run_all(llm, [(ids, _greedy(20, kv_budget=40, kv_policy="streaming"))])
-    after = _samples(reg)
-    n_comp = mgr.num_compactions - c0
-    # after the prompt (80 -> 40), then once the cache reaches 40 + 16 in decode
-    assert n_comp == 2 and mgr.num_evicted_tokens - e0 == req.num_evicted == 40 + 16
-    key = ("kvmesh:kv_compactions_total", "streaming")
-    assert after[key] - before[key] == 2
-    key = ("kvmesh:kv_evicted_tokens_total", "streaming")
-    assert after[key] - before[key] == 56
-    key = ("kvmesh:kv_compactions_total", "snapkv")
-    assert after[key] == before[key]

@@ -181,7 +181,7 @@ def test_kv_policy_none_is_the_opt_out_on_every_path():
     assert backend.seen[-1].sampling.kv_policy == "none"
     # the engine's default is a policy; "none" is a request's word for opting out of it
     with pytest.raises(
-        ValueError, match="kv_policy must be one of snapkv, h2o, streaming, random;"
+        ValueError, match="kv_policy must be one of snapkv, h2o, streaming, random, scissorhands;"
     ):
         EvictionConfig(kv_budget=64, kv_policy="none")
 

@@ -46,9 +46,10 @@ from kvmesh.worker.eviction.compaction import (
     unchanged_pages,
     write_layer,
 )
-from kvmesh.worker.eviction.policies import POLICIES, EvictionPolicy, make_policy
+from kvmesh.worker.eviction.policies import EvictionPolicy, make_policy
 from kvmesh.worker.kv_cache import KVCacheManager
 from kvmesh.worker.request import Request
+from kvmesh.worker.sampling_params import KV_POLICIES
 
 logger = logging.getLogger("kvmesh.eviction")
 
@@ -107,9 +108,9 @@ class EvictionManager:
         self.num_deferred = 0  # compactions put off for want of free pages
         # per policy, for the metrics (read at scrape time from another thread: every
         # built-in policy has its key from the start, so the dicts do not resize under it)
-        self.compactions_by_policy: dict[str, int] = dict.fromkeys(POLICIES, 0)
-        self.evicted_by_policy: dict[str, int] = dict.fromkeys(POLICIES, 0)
-        self.deferred_by_policy: dict[str, int] = dict.fromkeys(POLICIES, 0)
+        self.compactions_by_policy: dict[str, int] = dict.fromkeys(KV_POLICIES, 0)
+        self.evicted_by_policy: dict[str, int] = dict.fromkeys(KV_POLICIES, 0)
+        self.deferred_by_policy: dict[str, int] = dict.fromkeys(KV_POLICIES, 0)
         # requests whose eviction failed this step -> why; the engine finishes each with
         # finish_reason "error" (``pop_failures``) and the step goes on without them
         self.failures: dict[Request, str] = {}
@@ -179,6 +180,7 @@ class EvictionManager:
             shape = (self.num_layers, Hkv, ob.ctx)
             ob.acc = torch.zeros(shape, dtype=torch.float32, device=q.device)
         acc = ob.acc[layer]
+        weigh = getattr(ob.state.policy, "weigh", None)
         kpos = torch.arange(ob.ctx, device=q.device)
         for lo in range(ob.q_lo, ob.q_hi, _QUERY_CHUNK):
             hi = min(lo + _QUERY_CHUNK, ob.q_hi)
@@ -188,7 +190,11 @@ class EvictionManager:
             w = torch.einsum("mhgd,nhd->hgmn", qq, k) * scale  # (Hkv, G, m, N)
             qpos = ob.first_slot + (lo - ob.q_lo) + torch.arange(m, device=q.device)
             w.masked_fill_(kpos[None, :] > qpos[:, None], float("-inf"))
-            acc += w.softmax(-1).sum(dim=(1, 2))  # a GQA group votes together
+            probs = w.softmax(-1)
+            if weigh is None:
+                acc += probs.sum(dim=(1, 2))  # a GQA group votes together
+            else:  # a policy's own vote per query (Scissorhands counts)
+                acc += weigh(probs, qpos)
 
     def _flush(self) -> None:
         """Move the step's observed attention into the requests' scores: one device-to-host

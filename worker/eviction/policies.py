@@ -193,4 +193,8 @@ def make_policy(name: str, budget: int) -> EvictionPolicy:
         return StreamingLLM(budget)
     if name == "random":
         return RandomKeep(budget)
+    if name == "scissorhands":  # worker/eviction/scissorhands.py (it imports this module)
+        from kvmesh.worker.eviction.scissorhands import Scissorhands
+
+        return Scissorhands(budget)
     raise ValueError(f"unknown kv_policy {name!r}; accepted: {', '.join(POLICIES)}")
