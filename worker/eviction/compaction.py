@@ -14,9 +14,9 @@ order, for every KV head (``unchanged_pages``), is not requantized: its bytes (c
 scales) are copied as stored, so a page that survives compactions unchanged is never
 requantized. A decode compaction drops ``block_size`` tokens, so the pages past the last
 dropped one move whole: StreamingLLM copies every page but the sinks' page, H2O every page
-before the first and after the last token any head of the layer dropped. int4 keeps V Hadamard-rotated in the
-pages and the residual alike, so values move in the rotated domain and no rotation is
-applied here.
+before the first and after the last token any head of the layer dropped. int4 keeps V
+Hadamard-rotated in the pages and the residual alike, so values move in the rotated domain
+and no rotation is applied here.
 """
 
 from __future__ import annotations
