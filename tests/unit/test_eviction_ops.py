@@ -217,8 +217,17 @@ def test_cli_sets_the_engine_default_budget(command):
     ],
 )
 @pytest.mark.parametrize("command", ["worker", "serve"])
-def test_cli_refuses_a_bad_budget_before_starting_anything(command, flags, needle, capsys):
-    from kvmesh.cluster import cli
+def test_cli_refuses_a_bad_budget_before_starting_anything(
+    command, flags, needle, capsys, monkeypatch
+):
+    from kvmesh.cluster import cli, serve
+    from kvmesh.worker import server
+
+    def started(*a, **k):  # a flag that got through would start a worker or Ray: fail instead
+        raise AssertionError("started before the flags were checked")
+
+    monkeypatch.setattr(server, "serve_worker", started)
+    monkeypatch.setattr(serve, "init_ray", started)
 
     assert cli.main([command, *flags]) == 2
     assert needle in capsys.readouterr().err
