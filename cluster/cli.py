@@ -209,6 +209,11 @@ def cmd_eval_ppl(a: argparse.Namespace) -> int:
     text_path = Path(a.text)
     if not text_path.is_file():
         raise FileNotFoundError(f"--text {a.text}: no such file")
+    if a.kv_budget is not None:  # its windows run outside the scheduler: nothing would compact
+        raise ValueError(
+            "--kv-budget does not apply to eval-ppl (it scores windows outside the scheduler, "
+            "where no compaction runs); bench/eviction.py --parts ppl measures budgets"
+        )
     kw = _engine_kwargs(a)
     kw["max_num_batched_tokens"] = a.chunk  # prefill chunks go through the cache
     kw["enable_prefix_caching"] = False  # every window is computed, never served from cache

@@ -251,3 +251,17 @@ def test_a_streaming_decode_compaction_keeps_every_page_but_the_sinks_whole():
     assert unchanged_pages(keep, n, BS).tolist() == [-1, *range(2, 11)]
     keep = streaming_keep(n, budget, BS).expand(H, -1)  # sinks filling page 0: it is whole too
     assert unchanged_pages(keep, n, BS).tolist() == [0, *range(2, 11)]
+
+
+def test_eval_ppl_refuses_a_budget_it_would_not_apply(tmp_path, capsys, monkeypatch):
+    import kvmesh.worker
+    from kvmesh.cluster import cli
+
+    def built(*a, **k):
+        raise AssertionError("an engine was built before the flags were checked")
+
+    monkeypatch.setattr(kvmesh.worker, "LLMEngine", built)
+    text = tmp_path / "t.txt"
+    text.write_text("hello")
+    assert cli.main(["eval-ppl", "--text", str(text), "--kv-budget", "64"]) == 2
+    assert "--kv-budget does not apply to eval-ppl" in capsys.readouterr().err
