@@ -192,6 +192,12 @@ def validate_kv_budget(budget, policy, *, opt_out: bool = True) -> None:
                 f"kv_budget={budget} (unset one of the two)"
             )
         return
+    if not opt_out and policy is None and budget is not None:
+        # an engine default: a budget with no policy would fail every request that uses it
+        raise ValueError(
+            f"kv_policy must be one of {', '.join(KV_POLICIES)} when kv_budget is set; "
+            f"got kv_policy=None with kv_budget={budget}"
+        )
     if policy is not None and policy not in KV_POLICIES:
         accepted = (*KV_POLICIES, KV_POLICY_NONE) if opt_out else KV_POLICIES
         raise ValueError(f"kv_policy must be one of {', '.join(accepted)}; got {policy!r}")

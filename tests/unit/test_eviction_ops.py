@@ -186,6 +186,19 @@ def test_kv_policy_none_is_the_opt_out_on_every_path():
         EvictionConfig(kv_budget=64, kv_policy="none")
 
 
+def test_engine_default_budget_without_a_policy_is_refused():
+    # a default budget with no policy would fail every request that inherits it
+    from kvmesh.worker import SamplingParams
+    from kvmesh.worker.config import EvictionConfig
+
+    with pytest.raises(ValueError, match="kv_policy must be .*kv_policy=None with kv_budget=64"):
+        EvictionConfig(kv_budget=64, kv_policy=None)
+    assert EvictionConfig(kv_budget=None, kv_policy=None).kv_budget is None  # no default: fine
+    assert EvictionConfig(kv_budget=64, kv_policy="h2o").kv_policy == "h2o"
+    # a request's budget without a policy still inherits the engine's default policy
+    assert SamplingParams(kv_budget=64).kv_policy is None
+
+
 # ---------------------------------------------------------------- the command line
 
 
