@@ -66,25 +66,26 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--kv-policy",
-        default="snapkv",
+        default=None,  # resolved to snapkv after the check: an explicit one needs --kv-budget
         help="eviction policy of that default budget: snapkv (default), h2o, streaming, "
-        "scissorhands, random",
+        "scissorhands, random; needs --kv-budget",
     )
 
 
 def _eviction_kwargs(a: argparse.Namespace) -> dict:
     """--kv-budget / --kv-policy, checked here with the flags' names (before any engine or
-    cluster starts)."""
+    cluster starts). An explicit --kv-policy, the default's name included, needs a budget."""
     from kvmesh.worker.sampling_params import validate_kv_budget
 
+    if a.kv_budget is None and a.kv_policy is not None:
+        raise ValueError(f"--kv-policy {a.kv_policy} needs a --kv-budget (the default budget)")
+    policy = a.kv_policy or "snapkv"
     try:
-        validate_kv_budget(a.kv_budget, a.kv_policy, opt_out=False)
+        validate_kv_budget(a.kv_budget, policy, opt_out=False)
     except ValueError as e:
         msg = str(e).replace("kv_budget", "--kv-budget").replace("kv_policy", "--kv-policy")
         raise ValueError(msg) from None
-    if a.kv_budget is None and a.kv_policy != "snapkv":
-        raise ValueError(f"--kv-policy {a.kv_policy} needs a --kv-budget (the default budget)")
-    return dict(kv_budget=a.kv_budget, kv_policy=a.kv_policy)
+    return dict(kv_budget=a.kv_budget, kv_policy=policy)
 
 
 def _engine_kwargs(

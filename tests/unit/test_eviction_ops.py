@@ -227,6 +227,7 @@ def test_cli_sets_the_engine_default_budget(command):
         (["--kv-budget", "64", "--kv-policy", "lru"], "--kv-policy must be one of"),
         (["--kv-budget", "64", "--kv-policy", "none"], "--kv-policy must be one of"),
         (["--kv-policy", "h2o"], "--kv-policy h2o needs a --kv-budget"),
+        (["--kv-policy", "snapkv"], "--kv-policy snapkv needs a --kv-budget"),  # the default too
     ],
 )
 @pytest.mark.parametrize("command", ["worker", "serve"])
