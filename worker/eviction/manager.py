@@ -23,12 +23,15 @@ compaction rewrites at most a page's worth of evictions for H2O and StreamingLLM
 
 A fault in one request's eviction (its observation, its selection, its compaction: a bad
 tensor, an out-of-memory) finishes that request alone with finish_reason "error"; the step
-and every other request go on (``failures``, read by the engine). Its cache is left as it
-was before the failed compaction (the pages a compaction took are given back), and then freed
-with the request. It is not silently served with its full cache instead: the budget is what
-bounds its memory (a StreamingLLM stream runs past the pool only because of it), and the
-scores a failed observation left behind are partial, so evicting on them later would be
-wrong without a trace.
+and every other request go on (``failures``, read by the engine). A failed compaction never
+writes its old pages (a compaction copies into new pages, and those are given back); with a
+quantized cache, though, the request's full-precision residual slot (its partial last page) is
+rewritten in place layer by layer, so a failure part-way leaves that slot mixed. Nothing reads
+it again: the request is finished and its cache, residual slot included, freed. It is not
+silently served with its full cache instead: the budget is what bounds its memory (a
+StreamingLLM stream runs past the pool only because of it), and the scores a failed
+observation left behind are partial, so evicting on them later would be wrong without a
+trace.
 """
 
 from __future__ import annotations
