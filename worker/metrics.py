@@ -290,7 +290,7 @@ class _EngineCollector(Collector):
             ("kv_evicted_tokens", "Tokens dropped from requests' KV caches by eviction, by policy.",
              ev.evicted_by_policy),
             ("kv_compactions_deferred",
-             "Compactions put off for want of free pages (retried on a later step), by policy.",
+             "Compaction attempts put off for want of free pages (one per step), by policy.",
              ev.deferred_by_policy),
         ):  # fmt: skip
             f = self._family("counter", name, doc, ["policy"])

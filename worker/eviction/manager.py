@@ -108,7 +108,8 @@ class EvictionManager:
         self._observed: list[_Observed] = []
         self.num_compactions = 0
         self.num_evicted_tokens = 0
-        self.num_deferred = 0  # compactions put off for want of free pages
+        # compaction attempts put off for want of free pages: one retried over n steps counts n
+        self.num_deferred = 0
         # per policy, for the metrics (read at scrape time from another thread: every
         # built-in policy has its key from the start, so the dicts do not resize under it)
         self.compactions_by_policy: dict[str, int] = dict.fromkeys(KV_POLICIES, 0)
