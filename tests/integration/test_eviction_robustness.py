@@ -39,11 +39,11 @@ def prompts(llm, shakespeare):
     return text_prompts(llm.tokenizer, shakespeare, [80, 72])
 
 
-def _samples(registry) -> dict[tuple, float]:
+def _samples(registry, label="policy") -> dict[tuple, float]:
     out = {}
     for fam in text_string_to_metric_families(generate_latest(registry).decode()):
         for s in fam.samples:
-            out[(s.name, s.labels.get("policy"))] = s.value
+            out[(s.name, s.labels.get(label))] = s.value
     return out
 
 
@@ -61,7 +61,9 @@ def _run_all(llm, items):
     return reqs, final
 
 
-B_PARAMS = _greedy(6, kv_budget=48, kv_policy="streaming")  # compacted after its prompt
+# the bystander observes every query (H2O) and is compacted after its prompt, in the very
+# steps where the victim's eviction fails
+B_PARAMS = _greedy(4, kv_budget=48, kv_policy="h2o")
 
 
 @pytest.fixture(scope="module")
@@ -73,12 +75,16 @@ def b_alone(llm, prompts):
 def test_a_fault_in_one_requests_eviction_fails_it_alone(llm, prompts, b_alone, monkeypatch, where):
     """An exception in one request's attention observation (H2O observes every query) or in
     its compaction finishes it with finish_reason "error"; the other request of the same
-    batch, compacted too, gets the tokens it gets alone, and no page is leaked."""
+    batch, observed and compacted too, gets the tokens it gets alone, no page is leaked and
+    the failure is counted. The victim's prompt is prefilled in two chunks (the bystander's
+    72 tokens take most of the first step's 128), so its observation fails mid-prefill,
+    before it is sampled: the engine finishes it from ``pop_failures``. Its compaction fails
+    once its prefill is done, in the step that samples it."""
     a_ids, b_ids = prompts
-    b_params, base = B_PARAMS, b_alone
-    free0 = llm.engine.kv.num_free_pages
+    eng = llm.engine
+    mgr = eng.eviction
+    free0 = eng.kv.num_free_pages
     victim = {}
-    mgr = llm.engine.eviction
     if where == "observe":
         orig = mgr._observe_one
 
@@ -97,24 +103,43 @@ def test_a_fault_in_one_requests_eviction_fails_it_alone(llm, prompts, b_alone, 
             return orig(req, *a)
 
         monkeypatch.setattr(mgr, "_write", faulty)
-    eng = llm.engine
-    a = eng.make_request(a_ids, _greedy(6, kv_budget=32, kv_policy="h2o"))
+    popped = []  # what the engine's mid-prefill failure path finished, by step
+    orig_pop = mgr.pop_failures
+
+    def spy_pop():
+        out = orig_pop()
+        popped.append([r.request_id for r in out])
+        return out
+
+    monkeypatch.setattr(mgr, "pop_failures", spy_pop)
+    reg = eng.metrics.registry
+    before = _samples(reg, "finished_reason")
+    b = eng.make_request(b_ids, B_PARAMS)
+    a = eng.make_request(a_ids, _greedy(4, kv_budget=32, kv_policy="h2o"))
     victim["req"] = a
-    b = eng.make_request(b_ids, b_params)
+    eng.add(b)  # first: its whole prompt goes in step 1, the victim's only in part
     eng.add(a)
-    eng.add(b)
     final = {}
     while eng.has_unfinished_requests():
         for o in eng.step():
             if o.finished:
                 final[o.request_id] = o
     out_a, out_b = final[a.request_id], final[b.request_id]
-    assert out_a.finish_reason == "error"
+    assert out_a.finish_reason == "error" and out_a.token_ids == []
     assert "KV eviction" in out_a.error and "kv_policy='h2o'" in out_a.error
     assert ("injected fault" if where == "observe" else "injected out of memory") in out_a.error
-    assert out_b.finish_reason == "length" and out_b.token_ids == base.token_ids
+    if where == "observe":  # finished mid-prefill, in step 1, by the engine's pop_failures
+        assert popped[0] == [a.request_id], popped
+    else:  # failed in the step that sampled it: nothing left for pop_failures
+        assert not any(popped), popped
+    assert out_b.finish_reason == "length" and out_b.token_ids == b_alone.token_ids
+    assert b.num_evicted > 0  # the bystander was compacted, next to the failure
     assert eng.kv.num_free_pages == free0  # the failed compaction's private pages came back
     assert not mgr.failures
+    after = _samples(reg, "finished_reason")
+    key = "kvmesh:request_success_total"
+    assert after[(key, "error")] - before.get((key, "error"), 0) == 1
+    assert after[(key, "length")] - before.get((key, "length"), 0) == 1
 
 
 def test_a_deferred_first_compaction_keeps_snapkvs_vote(llm, prompts, monkeypatch):
@@ -208,9 +233,9 @@ def test_the_observed_attention_leaves_the_device_once_per_step(llm, prompts, mo
 
 def test_kv_policy_none_opts_out_of_the_engine_default(llm, prompts, monkeypatch):
     ids, _ = prompts
-    base = llm.generate([ids], _greedy(8))[0]
+    base = llm.generate([ids], _greedy(4))[0]
     monkeypatch.setattr(llm.engine, "eviction_config", EvictionConfig(32, "streaming"))
-    (dflt, out_out), final = _run_all(llm, [(ids, _greedy(8)), (ids, _greedy(8, kv_policy="none"))])
+    (dflt, out_out), final = _run_all(llm, [(ids, _greedy(4)), (ids, _greedy(4, kv_policy="none"))])
     assert (dflt.kv_budget, dflt.kv_policy) == (32, "streaming") and dflt.num_evicted > 0
     assert (out_out.kv_budget, out_out.kv_policy, out_out.num_evicted) == (None, None, 0)
     assert final[out_out.request_id].token_ids == base.token_ids
