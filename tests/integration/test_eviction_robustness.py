@@ -119,17 +119,19 @@ def test_a_fault_in_one_requests_eviction_fails_it_alone(llm, prompts, b_alone, 
     victim["req"] = a
     eng.add(b)  # first: its whole prompt goes in step 1, the victim's only in part
     eng.add(a)
-    final = {}
+    final, step_of = {}, {}
     while eng.has_unfinished_requests():
         for o in eng.step():
             if o.finished:
                 final[o.request_id] = o
+                step_of[o.request_id] = len(popped)  # steps run so far
     out_a, out_b = final[a.request_id], final[b.request_id]
     assert out_a.finish_reason == "error" and out_a.token_ids == []
     assert "KV eviction" in out_a.error and "kv_policy='h2o'" in out_a.error
     assert ("injected fault" if where == "observe" else "injected out of memory") in out_a.error
     if where == "observe":  # finished mid-prefill, in step 1, by the engine's pop_failures
         assert popped[0] == [a.request_id], popped
+        assert step_of[a.request_id] == 1  # not left to fail when sampled, a step later
     else:  # failed in the step that sampled it: nothing left for pop_failures
         assert not any(popped), popped
     assert out_b.finish_reason == "length" and out_b.token_ids == b_alone.token_ids
