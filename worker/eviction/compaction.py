@@ -98,7 +98,8 @@ def write_layer(
 
     copy_src (quantized formats; (K // bs,) int64 page ids, -1 for none): result page ``j``
     is a byte copy of page ``copy_src[j]`` (which holds exactly those tokens) instead of
-    being quantized afresh from k, v."""
+    being quantized afresh from k, v. Best passed on the CPU: which pages are copied is
+    worked out there, and only integer index tensors go to the device (no sync per layer)."""
     bs = cache.views["k"].shape[1]
     K = k.shape[0]
     dev = k.device
@@ -113,14 +114,17 @@ def write_layer(
     full = K // bs
     R = cache.residual_k.shape[0]
     src = (R * bs + torch.arange(full * bs, device=dev)).view(full, bs)
-    requant = torch.ones(full, dtype=torch.bool, device=dev)
+    complete_pages, complete_src = pages[:full], src
     if copy_src is not None and full:
-        copied = copy_src[:full] >= 0
-        if bool(copied.any()):
-            dst, frm = pages[:full][copied], copy_src[:full][copied]
+        cs = copy_src[:full].cpu()
+        copied = cs >= 0
+        if copied.any():  # on the CPU: no device sync
+            dst = pages.index_select(0, copied.nonzero().flatten().to(dev))
+            frm = cs[copied].to(dev)
             for t in cache.views.values():  # codes and scales alike, as stored
                 t[dst] = t[frm]
-            requant = ~copied
+            requant = (~copied).nonzero().flatten().to(dev)
+            complete_pages, complete_src = pages.index_select(0, requant), src[requant]
     res = torch.where(j >= full * bs, residual_slot * bs + j % bs, torch.full_like(j, -1))
     dt = cache.residual_k.dtype
     write_kv_cache(
@@ -131,6 +135,6 @@ def write_layer(
         residual_k=cache.residual_k,
         residual_v=cache.residual_v,
         residual_slots=res,
-        complete_pages=pages[:full][requant].contiguous(),
-        complete_src=src[requant].contiguous(),
+        complete_pages=complete_pages.contiguous(),
+        complete_src=complete_src.contiguous(),
     )

@@ -311,18 +311,20 @@ class EvictionManager:
         if self.before_write is not None:
             self.before_write()
         dev = self.caches[0].views["k"].device
-        table = torch.tensor(self.kv.page_ids(req), dtype=torch.int64, device=dev)
+        table_h = torch.tensor(self.kv.page_ids(req), dtype=torch.int64)
+        table = table_h.to(dev)
         new_t = torch.tensor([p.page_id for p in new], dtype=torch.int64, device=dev)
         rslot = self.kv.residual_slot(req) if self.kv.num_residual_slots else -1
         keep_d = keep.to(dev)
+        keep_h = keep.cpu()  # which pages are copied whole: worked out on the CPU, no syncs
         for layer, cache in enumerate(self.caches):
             # float formats move bytes as stored; quantized ones through the residual dtype,
             # except the pages whose kept tokens are a whole old page's: copied as stored
             dt = cache.residual_k.dtype if cache.quantized else cache.views["k"].dtype
             copy_src = None
             if cache.quantized:
-                src = unchanged_pages(keep_d[layer], n, self.block_size)
-                copy_src = torch.where(src >= 0, table[src.clamp(min=0)], src)
+                src = unchanged_pages(keep_h[layer], n, self.block_size)
+                copy_src = torch.where(src >= 0, table_h[src.clamp(min=0)], src)
             k, v = read_layer(cache, table, n, rslot, dt)
             write_layer(
                 cache,
