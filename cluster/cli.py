@@ -55,6 +55,37 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument(
+        "--kv-budget",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="default KV budget of every request that sets none: at most this many tokens of "
+        "its cache are kept (docs/eviction.md; default: no eviction; a request opts out with "
+        "kv_policy='none')",
+    )
+    p.add_argument(
+        "--kv-policy",
+        default=None,  # resolved to snapkv after the check: an explicit one needs --kv-budget
+        help="eviction policy of that default budget: snapkv (default), h2o, streaming, "
+        "scissorhands, random; needs --kv-budget",
+    )
+
+
+def _eviction_kwargs(a: argparse.Namespace) -> dict:
+    """--kv-budget / --kv-policy, checked here with the flags' names (before any engine or
+    cluster starts). An explicit --kv-policy, the default's name included, needs a budget."""
+    from kvmesh.worker.sampling_params import validate_kv_budget
+
+    if a.kv_budget is None and a.kv_policy is not None:
+        raise ValueError(f"--kv-policy {a.kv_policy} needs a --kv-budget (the default budget)")
+    policy = a.kv_policy or "snapkv"
+    try:
+        validate_kv_budget(a.kv_budget, policy, opt_out=False)
+    except ValueError as e:
+        msg = str(e).replace("kv_budget", "--kv-budget").replace("kv_policy", "--kv-policy")
+        raise ValueError(msg) from None
+    return dict(kv_budget=a.kv_budget, kv_policy=policy)
 
 
 def _engine_kwargs(
@@ -76,6 +107,7 @@ def _engine_kwargs(
         redis_ttl_s=a.redis_ttl or None,
         redis_namespace=a.redis_namespace,
         extra_tiers=_peer_tiers(a.peer, security) if peer_tiers else [],
+        **_eviction_kwargs(a),
     )
 
 
@@ -178,6 +210,11 @@ def cmd_eval_ppl(a: argparse.Namespace) -> int:
     text_path = Path(a.text)
     if not text_path.is_file():
         raise FileNotFoundError(f"--text {a.text}: no such file")
+    if a.kv_budget is not None:  # its windows run outside the scheduler: nothing would compact
+        raise ValueError(
+            "--kv-budget does not apply to eval-ppl (it scores windows outside the scheduler, "
+            "where no compaction runs); bench/eviction.py --parts ppl measures budgets"
+        )
     kw = _engine_kwargs(a)
     kw["max_num_batched_tokens"] = a.chunk  # prefill chunks go through the cache
     kw["enable_prefix_caching"] = False  # every window is computed, never served from cache

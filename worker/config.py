@@ -102,7 +102,9 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class EvictionConfig:
     """The engine's default KV budget and policy for requests that set none
-    (docs/eviction.md). ``kv_budget=None``: no eviction unless a request asks."""
+    (docs/eviction.md). ``kv_budget=None``: no eviction unless a request asks. A request
+    opts out of the default with ``kv_policy="none"``; the default policy itself is a
+    real one (no default budget is how an engine says "none")."""
 
     kv_budget: int | None = None
     kv_policy: str = "snapkv"
@@ -110,4 +112,4 @@ class EvictionConfig:
     def __post_init__(self):
         from kvmesh.worker.sampling_params import validate_kv_budget
 
-        validate_kv_budget(self.kv_budget, self.kv_policy)
+        validate_kv_budget(self.kv_budget, self.kv_policy, opt_out=False)

@@ -48,7 +48,7 @@ from kvmesh.worker.output_processor import OutputProcessor
 from kvmesh.worker.outputs import RequestOutput
 from kvmesh.worker.request import Request, RequestStatus
 from kvmesh.worker.sampler import sample
-from kvmesh.worker.sampling_params import SamplingParams
+from kvmesh.worker.sampling_params import KV_POLICY_NONE, SamplingParams
 from kvmesh.worker.scheduler import Scheduler, SchedulerOutput
 from kvmesh.worker.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -380,7 +380,9 @@ class LLMEngine:
             raise ValueError(f"stop_token_ids must be in [0, {vocab}); got {bad[:5]}")
         ev = self.eviction_config
         kv_budget = params.kv_budget if params.kv_budget is not None else ev.kv_budget
-        if params.kv_policy is not None and kv_budget is None:
+        if params.kv_policy == KV_POLICY_NONE:  # its opt-out: the full cache, whatever the default
+            kv_budget = None
+        elif params.kv_policy is not None and kv_budget is None:
             raise ValueError(
                 f"kv_policy={params.kv_policy!r} needs a kv_budget: set one (this engine has "
                 f"no default budget)"
@@ -457,7 +459,13 @@ class LLMEngine:
             self.connector.wait_for_promotion(0.05)  # nothing to run: don't spin
             return []
         to_sample, tokens, logprobs, errors = self._run(sched)
-        return self._postprocess(to_sample, tokens, logprobs, errors)
+        outputs = self._postprocess(to_sample, tokens, logprobs, errors)
+        # a request whose KV eviction failed mid-prefill (not sampled this step) fails alone
+        for req, why in self.eviction.pop_failures().items():
+            outputs.append(self._fail(req, why, []))
+            if self.metrics is not None:
+                self.metrics.on_finished(req)
+        return outputs
 
     def _run(self, sched: SchedulerOutput) -> tuple[list[Request], list[int], list, list]:
         to_sample, logits = self.runner.execute(sched.scheduled)
@@ -467,6 +475,10 @@ class LLMEngine:
         if to_sample:
             self._mask_early_stops(logits, to_sample)
         tokens, logprobs, errors = sample(logits, to_sample) if to_sample else ([], [], [])
+        for i, req in enumerate(to_sample):  # its eviction failed: it fails, takes no token
+            why = self.eviction.failures.pop(req, None)
+            if why is not None and errors[i] is None:
+                errors[i] = why
         if any(r.params.top_logprobs for r in to_sample):
             self._record_top_logprobs(logits, to_sample, errors)
         return to_sample, tokens, logprobs, errors

@@ -278,7 +278,25 @@ class _EngineCollector(Collector):
             info.add_metric([*v, s.kv_cache_dtype, str(e.cache_config.block_size),
                              str(s.num_pages)], 1)  # fmt: skip
             yield info
+        yield from self._eviction()
         yield from self._tiers(s)
+
+    def _eviction(self):
+        """KV eviction (docs/eviction.md): the manager's per-policy counters."""
+        ev, v = self.engine.eviction, self.values
+        for name, doc, counts in (
+            ("kv_compactions", "Compactions of a request's KV cache to its budget, by policy.",
+             ev.compactions_by_policy),
+            ("kv_evicted_tokens", "Tokens dropped from requests' KV caches by eviction, by policy.",
+             ev.evicted_by_policy),
+            ("kv_compactions_deferred",
+             "Compaction attempts put off for want of free pages (one per step), by policy.",
+             ev.deferred_by_policy),
+        ):  # fmt: skip
+            f = self._family("counter", name, doc, ["policy"])
+            for policy, n in list(counts.items()):
+                f.add_metric([*v, policy], n)
+            yield f
 
     def _tiers(self, s):
         e, v = self.engine, self.values

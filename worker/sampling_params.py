@@ -21,7 +21,9 @@ MAX_CACHE_SALT_CHARS = 1024
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 # KV eviction (docs/eviction.md): the policies, and the smallest budget (sinks and windows
 # need room)
-KV_POLICIES = ("snapkv", "h2o", "streaming", "random")
+KV_POLICIES = ("snapkv", "h2o", "streaming", "random", "scissorhands")
+# a request's explicit opt-out: its full cache, whatever the engine's default budget
+KV_POLICY_NONE = "none"
 MIN_KV_BUDGET = 8
 _INT64 = (-(2**63), 2**64)  # torch.Generator.manual_seed takes [-2**63, 2**64)
 _INT32_MAX = 2**31 - 1
@@ -55,9 +57,12 @@ class SamplingParams:
     still end the output.
 
     ``kv_budget`` bounds the request's KV cache to that many tokens and ``kv_policy``
-    (``snapkv``, ``h2o``, ``streaming``, or the ``random`` baseline) says which it keeps
+    (``snapkv``, ``h2o``, ``streaming``, ``scissorhands``, or the ``random`` baseline) says
+    which it keeps
     (docs/eviction.md); either unset takes the engine's default (``kv_budget=None`` with
-    no engine default: no eviction). Like ``cache_salt``, it rides with these parameters.
+    no engine default: no eviction). ``kv_policy="none"`` opts out: the full cache, even
+    on an engine with a default budget (it takes no ``kv_budget``). Like ``cache_salt``,
+    it rides with these parameters.
 
     ``cache_salt`` (vLLM's name and meaning) is mixed into the hash of the prompt's first
     page, so cached pages are shared only between requests with the same salt: a tenant's
@@ -172,12 +177,27 @@ class SamplingParams:
         return self.temperature < SAMPLING_EPS
 
 
-def validate_kv_budget(budget, policy) -> None:
-    """Raise ValueError naming a bad ``kv_budget`` / ``kv_policy`` (None: unset)."""
+def validate_kv_budget(budget, policy, *, opt_out: bool = True) -> None:
+    """Raise ValueError naming a bad ``kv_budget`` / ``kv_policy`` (None: unset).
+    ``opt_out``: ``kv_policy="none"`` (a request's opt-out) is accepted, without a budget."""
     if budget is not None and (not _is_int(budget) or not MIN_KV_BUDGET <= budget <= _INT32_MAX):
         raise ValueError(
             f"kv_budget must be an integer in [{MIN_KV_BUDGET}, {_INT32_MAX}] (tokens of KV "
             f"cache kept), or unset; got {budget!r}"
         )
+    if opt_out and policy == KV_POLICY_NONE:
+        if budget is not None:
+            raise ValueError(
+                f"kv_policy='none' keeps the full cache and takes no kv_budget; got "
+                f"kv_budget={budget} (unset one of the two)"
+            )
+        return
+    if not opt_out and policy is None and budget is not None:
+        # an engine default: a budget with no policy would fail every request that uses it
+        raise ValueError(
+            f"kv_policy must be one of {', '.join(KV_POLICIES)} when kv_budget is set; "
+            f"got kv_policy=None with kv_budget={budget}"
+        )
     if policy is not None and policy not in KV_POLICIES:
-        raise ValueError(f"kv_policy must be one of {', '.join(KV_POLICIES)}; got {policy!r}")
+        accepted = (*KV_POLICIES, KV_POLICY_NONE) if opt_out else KV_POLICIES
+        raise ValueError(f"kv_policy must be one of {', '.join(accepted)}; got {policy!r}")

@@ -59,12 +59,14 @@ def observe_all(scores: torch.Tensor, q_layers, k_layers, qpos0: int, bs: int = 
         pages.view(-1, HKV, D)[bs : bs + N] = k  # page 0: the null page
         caches.append(LayerCache("fp32", {"k": pages, "v": torch.zeros_like(pages)}))
     mgr = EvictionManager.__new__(EvictionManager)
+    mgr.num_layers, mgr.failures = len(k_layers), {}
     st = EvictionState(SnapKV(8), scores)
     m = q_layers[0].shape[0]
     table = torch.arange(1, P + 1)
     mgr._observed = [_Observed(st, 0, m, qpos0, N, table, -1)]
     for layer, q in enumerate(q_layers):
         mgr.observe(layer, q, caches[layer], 1 / math.sqrt(D))
+    mgr._flush()  # the step's one move of the observed attention into the scores
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -170,3 +172,25 @@ def test_unset_on_the_wire_is_unset():
     assert p.kv_budget is None and p.kv_policy is None
     with pytest.raises(ValueError, match="unknown kv_policy"):
         make_policy("lru", 16)
+
+
+def test_every_policy_a_request_names_is_built_listed_and_labelled():
+    # make_policy builds each name a request may send, its error lists them all, and the
+    # metrics doc names each as a `policy` label value (the manager exports every one)
+    import pathlib
+    import re
+
+    from kvmesh.worker.eviction.policies import MAKE_POLICY_NAMES
+    from kvmesh.worker.sampling_params import KV_POLICIES
+
+    assert set(MAKE_POLICY_NAMES) == set(KV_POLICIES)
+    for name in KV_POLICIES:
+        assert make_policy(name, 16) is not None
+    with pytest.raises(ValueError, match="unknown kv_policy") as e:
+        make_policy("lru", 16)
+    assert all(name in str(e.value) for name in KV_POLICIES), str(e.value)
+    doc = (pathlib.Path(__file__).parents[2] / "docs" / "metrics.md").read_text()
+    labels = re.search(r"`policy` \(([^:]*):", doc)
+    assert labels, "docs/metrics.md: the eviction `policy` label values are not listed"
+    listed = set(re.findall(r"`(\w+)`", labels.group(1)))
+    assert listed == set(KV_POLICIES), listed

@@ -9,8 +9,14 @@ pages, and the caller then drops the old ones.
 Quantized formats are recompressed at page granularity: the kept values are dequantized,
 gathered, and every full page of the result is quantized afresh (its own scales), exactly
 as a page filling in decode is; the partial last page goes to the residual in full
-precision. int4 keeps V Hadamard-rotated in the pages and the residual alike, so values
-move in the rotated domain and no rotation is applied here.
+precision. A page of the result whose kept tokens are exactly one old full page's, in
+order, for every KV head (``unchanged_pages``), is not requantized: its bytes (codes and
+scales) are copied as stored, so a page that survives compactions unchanged is never
+requantized. A decode compaction drops ``block_size`` tokens, so the pages past the last
+dropped one move whole: StreamingLLM copies every page but the sinks' page, H2O every page
+before the first and after the last token any head of the layer dropped. int4 keeps V
+Hadamard-rotated in the pages and the residual alike, so values move in the rotated domain
+and no rotation is applied here.
 """
 
 from __future__ import annotations
@@ -60,14 +66,40 @@ def gather_heads(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return x.gather(0, idx)
 
 
+def unchanged_pages(keep: torch.Tensor, n: int, bs: int) -> torch.Tensor:
+    """Which full pages of a compacted copy hold exactly an old full page's tokens.
+
+    keep: (Hkv, K) kept slots per head (ascending) of an ``n``-slot cache. Returns (K // bs,)
+    int64: for result page ``j``, the index (in the request's page table) of the old page
+    whose ``bs`` slots, in order, every head keeps as its slots ``j*bs .. j*bs+bs-1``; -1
+    where there is none (the page's contents changed, or it came from the partial tail,
+    which is in the residual, not in a page)."""
+    full = keep.shape[-1] // bs
+    if full == 0:
+        return torch.zeros(0, dtype=torch.int64, device=keep.device)
+    pages = keep[:, : full * bs].reshape(keep.shape[0], full, bs)  # (Hkv, full, bs)
+    start = pages[..., 0]
+    same = (pages == start[..., None] + torch.arange(bs, device=keep.device)).all(-1)
+    same &= (start % bs == 0) & (start + bs <= (n // bs) * bs)
+    same &= (start == start[:1]).all(0, keepdim=True)  # every head: the same old page
+    ok = same.all(0)
+    return torch.where(ok, start[0] // bs, torch.full_like(start[0], -1))
+
+
 def write_layer(
     cache: LayerCache,
     k: torch.Tensor,
     v: torch.Tensor,
     pages: torch.Tensor,
     residual_slot: int,
+    copy_src: torch.Tensor | None = None,
 ) -> None:
-    """Store k, v (K, Hkv, D) as slots 0..K-1 of ``pages`` (ceil(K / bs),) int64."""
+    """Store k, v (K, Hkv, D) as slots 0..K-1 of ``pages`` (ceil(K / bs),) int64.
+
+    copy_src (quantized formats; (K // bs,) int64 page ids, -1 for none): result page ``j``
+    is a byte copy of page ``copy_src[j]`` (which holds exactly those tokens) instead of
+    being quantized afresh from k, v. Best passed on the CPU: which pages are copied is
+    worked out there, and only integer index tensors go to the device (no sync per layer)."""
     bs = cache.views["k"].shape[1]
     K = k.shape[0]
     dev = k.device
@@ -82,6 +114,17 @@ def write_layer(
     full = K // bs
     R = cache.residual_k.shape[0]
     src = (R * bs + torch.arange(full * bs, device=dev)).view(full, bs)
+    complete_pages, complete_src = pages[:full], src
+    if copy_src is not None and full:
+        cs = copy_src[:full].cpu()
+        copied = cs >= 0
+        if copied.any():  # on the CPU: no device sync
+            dst = pages.index_select(0, copied.nonzero().flatten().to(dev))
+            frm = cs[copied].to(dev)
+            for t in cache.views.values():  # codes and scales alike, as stored
+                t[dst] = t[frm]
+            requant = (~copied).nonzero().flatten().to(dev)
+            complete_pages, complete_src = pages.index_select(0, requant), src[requant]
     res = torch.where(j >= full * bs, residual_slot * bs + j % bs, torch.full_like(j, -1))
     dt = cache.residual_k.dtype
     write_kv_cache(
@@ -92,6 +135,6 @@ def write_layer(
         residual_k=cache.residual_k,
         residual_v=cache.residual_v,
         residual_slots=res,
-        complete_pages=pages[:full].contiguous(),
-        complete_src=src,
+        complete_pages=complete_pages.contiguous(),
+        complete_src=complete_src.contiguous(),
     )

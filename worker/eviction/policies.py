@@ -18,7 +18,10 @@ from abc import ABC, abstractmethod
 import torch
 import torch.nn.functional as F
 
-POLICIES = ("snapkv", "h2o", "streaming", "random")
+POLICIES = ("snapkv", "h2o", "streaming", "random")  # the ones defined in this module
+# every name make_policy builds (worker/eviction/scissorhands.py adds its own); the requests'
+# list is kvmesh.worker.sampling_params.KV_POLICIES, which a test holds equal to this one
+MAKE_POLICY_NAMES = (*POLICIES, "scissorhands")
 
 
 def top_and_recent(scores: torch.Tensor, budget: int, recent: int) -> torch.Tensor:
@@ -193,4 +196,8 @@ def make_policy(name: str, budget: int) -> EvictionPolicy:
         return StreamingLLM(budget)
     if name == "random":
         return RandomKeep(budget)
-    raise ValueError(f"unknown kv_policy {name!r}; accepted: {', '.join(POLICIES)}")
+    if name == "scissorhands":  # worker/eviction/scissorhands.py (it imports this module)
+        from kvmesh.worker.eviction.scissorhands import Scissorhands
+
+        return Scissorhands(budget)
+    raise ValueError(f"unknown kv_policy {name!r}; accepted: {', '.join(MAKE_POLICY_NAMES)}")
