@@ -2,7 +2,8 @@
 
 Keys are ``{namespace}:{model_fp}:{cache_format}:{page_hash_hex}``, the namespace ``kvmesh``
 by default (DESIGN.md; another one keeps two clusters sharing a Redis apart). Every batch is
-one round trip: ``get`` is one MGET, ``contains`` pipelined EXISTS, ``put`` pipelined SET
+one round trip: ``get`` is one MGET (its reply read straight into reused buffers, see
+``kvstore/redis_fast.py``), ``contains`` pipelined EXISTS, ``put`` pipelined SET
 with PX (a page expires ``DEFAULT_TTL_S``, a day, after it was last written, unless told
 otherwise; ``ttl_s=None``: never), ``evict`` one DEL.
 
@@ -33,6 +34,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import OutOfMemoryError
 from redis.retry import Retry
 
+from kvmesh.kvstore.redis_fast import SlabPool, read_mget_reply
 from kvmesh.kvstore.tier import Tier
 
 logger = logging.getLogger(__name__)
@@ -136,6 +138,7 @@ class RedisTier(Tier):
             retry=Retry(NoBackoff(), 0),
         )
         self._client = redis.Redis(connection_pool=self._pool)
+        self._slabs = SlabPool()  # reused receive buffers of the MGET path
         self._lock = threading.Lock()  # guards metrics and the health state
         self._down_since: float | None = None  # monotonic time of the incident's first fault
         self._retry_at = 0.0
@@ -250,7 +253,7 @@ class RedisTier(Tier):
         if not hashes:
             return []
         keys = self._keys(hashes)
-        result = self._call("MGET", lambda: self._client.mget(keys))
+        result = self._call("MGET", lambda: self._mget(keys))
         if result is _SKIPPED:
             self._count(misses=len(hashes))
             return [None] * len(hashes)
@@ -261,6 +264,23 @@ class RedisTier(Tier):
             bytes_read=sum(len(v) for v in hits),
         )
         return list(result)
+
+    def _mget(self, keys: list[str]) -> list:
+        """MGET on a pooled connection, each value received straight into a reused slab
+        (``redis_fast``; values are ``memoryview`` slices). Falls back to redis-py's MGET
+        where the connection has no plain socket to read."""
+        conn = self._pool.get_connection()
+        try:
+            conn.send_command("MGET", *keys)
+            sock = conn._get_socket() if hasattr(conn, "_get_socket") else None
+            if sock is None:  # not a socket connection: let redis-py read the reply
+                return list(conn.read_response())
+            return read_mget_reply(sock, len(keys), self._slabs)
+        except BaseException:
+            conn.disconnect()  # mid-reply: the connection's state is unknown
+            raise
+        finally:
+            self._pool.release(conn)
 
     def put(self, items: Sequence[tuple[bytes, bytes]]) -> list[bytes]:
         if not items:

@@ -74,7 +74,9 @@ class KVOffloader:
         self._fetch_pool = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-fetch")
         self._evicted: list[tuple[bytes, int]] = []  # (hash, page id) awaiting a copy
         self._fetches: dict[str, Future] = {}
-        self._done = threading.Event()  # set by the fetch thread when a fetch finishes
+        # set once a fetch's future is done (its done-callback: set from inside the fetch,
+        # the engine thread could wake before the result is there and sleep a full timeout)
+        self._done = threading.Event()
         self._backlog = 0  # pages copied out but not yet put (spill thread)
         self._lock = threading.Lock()
         self._staging = _StagingBuffers(self.page_nbytes, max_pages=max_spill_backlog)
@@ -176,9 +178,11 @@ class KVOffloader:
         # pages evicted up to now may still be on their way to the store: the fetch looks
         # up only after they are in (the spill thread is FIFO, so this barrier is enough)
         spilled = self._spill_pool.submit(lambda: None)
-        self._fetches[req.request_id] = self._fetch_pool.submit(
+        fut = self._fetch_pool.submit(
             self._fetch, req, first_page, list(hashes), list(on_device), spilled, time.monotonic()
         )
+        self._fetches[req.request_id] = fut
+        fut.add_done_callback(lambda _: self._done.set())
 
     def set_peer_auth(self, identity, tls) -> None:
         """The cluster identity (``protos.security.ClusterIdentity``) and TLS material
@@ -275,8 +279,6 @@ class KVOffloader:
             with self._lock:
                 self.metrics["promotion_errors"] += 1
             tiers, payloads = [], []
-        finally:
-            self._done.set()
         fetched = [t for t in tiers if t != "device"]
         with self._lock:
             self.metrics["promotions"] += 1

@@ -1,0 +1,182 @@
+"""The Redis tier's read path (kvstore/redis_fast.py) against a real redis-server: values are
+received straight into reused slabs, a value still referenced is never overwritten, and a
+reply cut or garbled mid-restore is a miss (the engine recomputes, same tokens)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+import pytest
+from helpers import text_prompts
+
+from kvmesh.kvstore.codec import PageSpec, encode
+from kvmesh.kvstore.redis_fast import SlabPool
+from kvmesh.kvstore.redis_tier import RedisTier
+from kvmesh.worker import LLM, SamplingParams
+
+SPEC = PageSpec("f00d" * 8, "fp32", 2, 2, 8, 4, 64 << 10)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+
+def h(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+class Proxy:
+    """A loopback TCP proxy to a Redis server that, once armed, damages the server's reply:
+    ``cut_after(n)`` closes the connection after ``n`` more reply bytes, ``garble_after(n)``
+    overwrites the bytes from there on with ``!``."""
+
+    def __init__(self, port: int) -> None:
+        self.target = port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"redis://127.0.0.1:{self.listener.getsockname()[1]}/0"
+        self._lock = threading.Lock()
+        self._left: int | None = None  # reply bytes until the damage, None: disarmed
+        self._mode = "cut"
+        self.damaged = 0  # replies damaged so far
+        self._socks: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def cut_after(self, n: int) -> None:
+        with self._lock:
+            self._left, self._mode = n, "cut"
+
+    def garble_after(self, n: int) -> None:
+        with self._lock:
+            self._left, self._mode = n, "garble"
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.target))
+            self._socks += [client, server]
+            threading.Thread(target=self._pump, args=(client, server, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, True), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, reply: bool) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                if reply:
+                    with self._lock:
+                        left, mode = self._left, self._mode
+                        if left is not None and left < len(data):
+                            self._left = None
+                            self.damaged += 1
+                        elif left is not None:
+                            self._left = left - len(data)
+                    if left is not None and left < len(data):
+                        if mode == "cut":
+                            dst.sendall(data[:left])
+                            break
+                        data = data[:left] + b"!" * (len(data) - left)
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+    def close(self) -> None:
+        self.listener.close()
+        for s in self._socks:
+            s.close()
+
+
+@pytest.fixture
+def proxy(redis_server):
+    p = Proxy(redis_server.port)
+    yield p
+    p.close()
+
+
+def make_tier(url: str) -> RedisTier:
+    return RedisTier(
+        url,
+        model_fp=SPEC.model_fp,
+        cache_format=SPEC.cache_format,
+        timeout_s=5.0,
+        backoff_s=0.01,
+        max_backoff_s=0.01,
+    )
+
+
+def test_values_land_in_reused_slabs_and_a_kept_value_is_never_overwritten(redis_server):
+    tier = make_tier(redis_server.url)
+    # slabs of 3 objects: a batch of 8 spans several
+    tier._slabs = SlabPool(slab_bytes=3 * (SPEC.page_nbytes + 256), keep_bytes=64 << 20)
+    objs = {i: encode(SPEC, os.urandom(SPEC.page_nbytes)) for i in range(16)}
+    tier.put([(h(i), o) for i, o in objs.items()])
+    first = tier.get([h(i) for i in range(8)])  # kept below while more is read
+    assert first == [objs[i] for i in range(8)]
+    for _ in range(3):  # reads while `first` is alive must use other slabs
+        got = tier.get([h(i) for i in range(8, 16)] + [h(99)])
+        assert got == [objs[i] for i in range(8, 16)] + [None]
+        del got
+    assert first == [objs[i] for i in range(8)], "a slab was reused under a live value"
+    assert tier._slabs.reused > 0  # slabs nothing referred to did come back
+    created = tier._slabs.created
+    del first
+    again = tier.get([h(i) for i in range(16)])
+    assert again == [objs[i] for i in range(16)]
+    assert tier._slabs.created == created  # all from the pool
+    assert tier.metrics["errors"] == 0
+    tier.close()
+
+
+@pytest.mark.parametrize("damage", ["cut", "garble"])
+def test_a_reply_damaged_mid_value_is_a_miss_and_the_next_read_works(proxy, damage):
+    tier = make_tier(proxy.url)
+    objs = [encode(SPEC, os.urandom(SPEC.page_nbytes)) for _ in range(6)]
+    hashes = [h(i) for i in range(6)]
+    tier.put(list(zip(hashes, objs)))
+    getattr(proxy, f"{damage}_after")(3 * SPEC.page_nbytes)  # inside the fourth value
+    assert tier.get(hashes) == [None] * 6  # a fault: all misses, nothing raised
+    assert proxy.damaged == 1
+    assert tier.metrics["errors"] == 1 and not tier.healthy
+    # the connection that saw half a reply is gone: the next read (after the backoff) is whole
+    for _ in range(100):
+        time.sleep(0.02)  # past the backoff
+        got = tier.get(hashes)
+        if got[0] is not None:
+            break
+    assert got == objs
+    assert tier.healthy
+    tier.close()
+
+
+def test_redis_failing_mid_restore_falls_back_to_recompute(proxy, shakespeare):
+    llm = LLM("smollm2-135m-instruct", kv_cache_memory="128MiB", redis_url=proxy.url)
+    try:
+        prompts = text_prompts(llm.tokenizer, shakespeare, [100, 100])
+        # computed cold, nothing evicted yet: the reference tokens
+        reference = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+        llm.reset_prefix_cache()  # no host tier: every page goes to Redis
+        llm.engine.connector.drain()
+        page = llm.engine.memory.page_spec.page_nbytes
+        proxy.cut_after(3 * page)  # the restore's reply dies in its fourth page
+        out = llm.generate([prompts[0]], GREEDY)[0]
+        assert proxy.damaged == 1
+        assert out.token_ids == reference[0]
+        assert out.cached_tokens_by_tier["redis"] == 0  # recomputed
+        assert llm.engine.store_metrics()["tiers"]["redis"]["errors"] >= 1
+        # once Redis answers again the other prefix is restored, byte-exact
+        tier = llm.engine.connector.store.tiers[0]
+        for _ in range(100):
+            time.sleep(0.02)  # past the backoff
+            if tier.contains([b"x" * 16]) == [False] and tier.healthy:
+                break
+        out = llm.generate([prompts[1]], GREEDY)[0]
+        assert out.cached_tokens_by_tier["redis"] == 96  # 6 full pages of 100 tokens
+        assert out.token_ids == reference[1]
+    finally:
+        llm.close()
