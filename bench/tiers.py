@@ -7,8 +7,11 @@ on versus device-only recompute, and Redis throughput. Prints one JSON object.
 1. TTFT of a request whose ``--prefix-tokens`` prefix is (a) cold, (b) on the device,
    (c) only in host RAM, (d) only in Redis (a throwaway redis-server on loopback unless
    ``--redis-url``), with ratios to cold and to the device hit. Medians over ``--repeats``
-   prompts. The Redis restore is timed twice per prompt: with the tier's own reply reader
-   (kvstore/redis_fast.py) and, as the baseline in the same run, with redis-py's MGET.
+   prompts. Each restore is timed once the spill that put the prefix there is done (a
+   fetch waits for spills handed over before it, so an undrained spill of the same pages
+   would be timed too). The Redis restore is timed twice per prompt: with the tier's own
+   reply reader (kvstore/redis_fast.py) and, as the baseline in the same run, with
+   redis-py's MGET.
 2. ``--conversations`` x ``--turns``: each turn resends the whole history plus
    ``--turn-tokens`` new tokens and generates ``--output-tokens``; every conversation's turn
    is submitted together. Each conversation opens with its own ``--context-tokens``
@@ -74,6 +77,7 @@ def bench_ttft(args, text: str, redis_url: str) -> dict:
         cold.append(ttft(host, p)[0])
         dev.append(ttft(host, p)[0])
         host.reset_prefix_cache()  # spills the prefix to host RAM
+        host.engine.connector.drain()  # time the restore, not the spill before it
         t, tiers = ttft(host, p)
         assert tiers["host"] >= args.prefix_tokens - 16, tiers
         on_host.append(t)
