@@ -114,7 +114,7 @@ def read_mget_reply(sock: socket.socket, n_keys: int, slabs: SlabPool) -> list[m
     if head[:1] == b"-":
         msg = head[1:200].decode(errors="replace")
         raise RespError(f"the server answered MGET with an error: {msg}")
-    if head[:1] not in (b"*", b">") or head[1:] != str(n_keys).encode():
+    if head[:1] != b"*" or head[1:] != str(n_keys).encode():
         raise RespError(f"expected an array of {n_keys} values, got {head[:40]!r}")
     out: list[memoryview | None] = []
     slab: bytearray | None = None

@@ -133,6 +133,17 @@ def test_values_land_in_reused_slabs_and_a_kept_value_is_never_overwritten(redis
     tier.close()
 
 
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_both_reply_protocols_read_values_and_misses(redis_server, protocol):
+    tier = make_tier(f"{redis_server.url}?protocol={protocol}")
+    objs = [encode(SPEC, os.urandom(SPEC.page_nbytes)) for _ in range(3)]
+    tier.put([(h(i), o) for i, o in enumerate(objs)])
+    assert tier.get([h(0), h(7), h(2), h(1)]) == [objs[0], None, objs[2], objs[1]]
+    assert tier.metrics["hits"] == 3 and tier.metrics["misses"] == 1
+    assert tier.metrics["errors"] == 0
+    tier.close()
+
+
 @pytest.mark.parametrize("damage", ["cut", "garble"])
 def test_a_reply_damaged_mid_value_is_a_miss_and_the_next_read_works(proxy, damage):
     tier = make_tier(proxy.url)
