@@ -138,6 +138,7 @@ def read_mget_reply(sock: socket.socket, n_keys: int, slabs: SlabPool) -> list[m
                 if slab is not None:
                     view.release()
                     slabs.give(slab)
+                    slab = view = None  # given back: the finally below must not give it again
                 slab = slabs.take(size)
                 view, used = memoryview(slab), 0
             dest = view[used : used + size]

@@ -1,0 +1,49 @@
+"""kvstore/redis_fast.py on canned RESP bytes over a socketpair (no server): the slab pool's
+bookkeeping and the reader's bounds on a hostile or confused reply."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from kvmesh.kvstore.redis_fast import SlabPool, read_mget_reply
+
+
+def reply_sock(data: bytes) -> socket.socket:
+    """A socket from which ``data`` can be read, then end of stream."""
+    a, b = socket.socketpair()
+    b.sendall(data)
+    b.close()
+    return a
+
+
+def bulk(v: bytes) -> bytes:
+    return b"$%d\r\n%s\r\n" % (len(v), v)
+
+
+class FailingSecondTake(SlabPool):
+    """A pool whose second ``take`` fails (e.g. MemoryError allocating a fresh slab)."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.takes = 0
+
+    def take(self, nbytes: int) -> bytearray:
+        self.takes += 1
+        if self.takes == 2:
+            raise MemoryError("no memory for another slab")
+        return super().take(nbytes)
+
+
+def test_a_slab_is_given_back_once_when_taking_the_next_one_fails():
+    pool = FailingSecondTake(slab_bytes=100, keep_bytes=1 << 20)
+    # two values of 80 bytes: the second does not fit in the first slab
+    sock = reply_sock(b"*2\r\n" + bulk(b"a" * 80) + bulk(b"b" * 80))
+    with pytest.raises(MemoryError):
+        read_mget_reply(sock, 2, pool)
+    assert len(pool._slabs) == 1, "the same slab was given back twice"
+    # and that slab is free to be handed out again
+    sock = reply_sock(b"*1\r\n" + bulk(b"c" * 80))
+    assert read_mget_reply(sock, 1, pool) == [b"c" * 80]
+    assert pool.reused == 1
