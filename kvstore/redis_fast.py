@@ -12,10 +12,11 @@ A slab is reused only when no view into it is alive (its reference count says so
 caller may keep a value as long as it likes: that slab is simply not reused. At most
 ``keep_bytes`` of slabs are kept.
 
-Both reply protocols are read (RESP2's ``$-1`` and RESP3's ``_`` nulls). Anything that is
-not an array of bulk strings and nulls of the asked length raises ``RespError``; any error
-or timeout mid-reply leaves the connection in an unknown state, so the caller must
-disconnect it (``RedisTier`` does).
+A value longer than the caller's bound (``RedisTier.max_page_bytes``) is refused before
+any memory is taken for it. Both reply protocols are read (RESP2's ``$-1`` and RESP3's
+``_`` nulls). Anything that is not an array of bulk strings and nulls of the asked length
+raises ``RespError``; any error or timeout mid-reply leaves the connection in an unknown
+state, so the caller must disconnect it (``RedisTier`` does).
 """
 
 from __future__ import annotations
@@ -107,8 +108,14 @@ class _Reader:
             raise RespError("a value is not followed by CRLF")
 
 
-def read_mget_reply(sock: socket.socket, n_keys: int, slabs: SlabPool) -> list[memoryview | None]:
-    """Read one MGET reply of ``n_keys`` values from ``sock`` into slabs of ``slabs``."""
+def read_mget_reply(
+    sock: socket.socket, n_keys: int, slabs: SlabPool, max_value_bytes: int = 512 << 20
+) -> list[memoryview | None]:
+    """Read one MGET reply of ``n_keys`` values from ``sock`` into slabs of ``slabs``.
+
+    A value claiming more than ``max_value_bytes`` raises ``RespError`` before any memory
+    is taken for it (a confused or hostile server cannot make the reader allocate what it
+    claims)."""
     r = _Reader(sock)
     head = r.line()
     if head[:1] == b"-":
@@ -134,6 +141,10 @@ def read_mget_reply(sock: socket.socket, n_keys: int, slabs: SlabPool) -> list[m
                 raise RespError(f"bad bulk string length {h[:40]!r}") from None
             if size < 0:
                 raise RespError(f"bad bulk string length {size}")
+            if size > max_value_bytes:
+                raise RespError(
+                    f"a value claims {size} bytes, more than the {max_value_bytes} allowed"
+                )
             if view is None or used + size > len(view):
                 if slab is not None:
                     view.release()

@@ -45,6 +45,7 @@ _SKIPPED = object()  # the call did not reach the server (backoff, or it failed)
 
 DEFAULT_NAMESPACE = "kvmesh"
 DEFAULT_TTL_S = 24 * 3600.0  # a page not written again for a day is dropped
+DEFAULT_MAX_PAGE_BYTES = 512 << 20  # Redis's own longest value (proto-max-bulk-len)
 _NAMESPACE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
 
@@ -100,6 +101,7 @@ class RedisTier(Tier):
         max_connections: int = 8,
         backoff_s: float = 0.1,
         max_backoff_s: float = 4.0,
+        max_page_bytes: int = DEFAULT_MAX_PAGE_BYTES,
     ) -> None:
         if not model_fp or ":" in model_fp:
             raise ValueError(f"model_fp must be a non-empty string without ':', got {model_fp!r}")
@@ -121,6 +123,11 @@ class RedisTier(Tier):
             raise ValueError(
                 f"need 0 < backoff_s <= max_backoff_s, got {backoff_s!r} and {max_backoff_s!r}"
             )
+        if max_page_bytes < 1:
+            raise ValueError(f"max_page_bytes must be >= 1, got {max_page_bytes!r}")
+        # A value read back longer than this is a fault (a miss), refused before memory is
+        # taken for it; TieredStore lowers it to the longest object its page spec allows.
+        self.max_page_bytes = max_page_bytes
         self.url = redact_url(url)  # what logs show: the real one stays in the pool
         self.namespace = namespace
         self.model_fp = model_fp
@@ -275,7 +282,7 @@ class RedisTier(Tier):
             sock = conn._get_socket() if hasattr(conn, "_get_socket") else None
             if sock is None:  # not a socket connection: let redis-py read the reply
                 return list(conn.read_response())
-            return read_mget_reply(sock, len(keys), self._slabs)
+            return read_mget_reply(sock, len(keys), self._slabs, self.max_page_bytes)
         except BaseException:
             conn.disconnect()  # mid-reply: the connection's state is unknown
             raise

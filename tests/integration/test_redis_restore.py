@@ -12,9 +12,10 @@ import time
 import pytest
 from helpers import text_prompts
 
-from kvmesh.kvstore.codec import PageSpec, encode
+from kvmesh.kvstore.codec import PageSpec, encode, max_object_bytes
 from kvmesh.kvstore.redis_fast import SlabPool
 from kvmesh.kvstore.redis_tier import RedisTier
+from kvmesh.kvstore.store import TieredStore
 from kvmesh.worker import LLM, SamplingParams
 
 SPEC = PageSpec("f00d" * 8, "fp32", 2, 2, 8, 4, 64 << 10)
@@ -191,3 +192,19 @@ def test_redis_failing_mid_restore_falls_back_to_recompute(proxy, shakespeare):
         assert out.token_ids == reference[1]
     finally:
         llm.close()
+
+
+def test_a_value_longer_than_the_store_allows_is_a_miss_not_an_allocation(redis_server):
+    tier = make_tier(redis_server.url)
+    TieredStore(SPEC, [tier])
+    assert tier.max_page_bytes == max_object_bytes(SPEC)  # the store bounds the tier
+    good = encode(SPEC, os.urandom(SPEC.page_nbytes))
+    tier.put([(h(0), good), (h(1), b"x" * (tier.max_page_bytes + 1))])
+    assert tier.get([h(0), h(1)]) == [None, None]  # a fault: the whole batch misses
+    assert tier.metrics["errors"] == 1
+    for _ in range(100):  # past the backoff, on a fresh connection
+        time.sleep(0.02)
+        if tier.get([h(0)]) == [good]:
+            break
+    assert tier.get([h(0)]) == [good]
+    tier.close()

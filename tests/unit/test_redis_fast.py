@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from kvmesh.kvstore.redis_fast import SlabPool, read_mget_reply
+from kvmesh.kvstore.redis_fast import RespError, SlabPool, read_mget_reply
 
 
 def reply_sock(data: bytes) -> socket.socket:
@@ -47,3 +47,15 @@ def test_a_slab_is_given_back_once_when_taking_the_next_one_fails():
     sock = reply_sock(b"*1\r\n" + bulk(b"c" * 80))
     assert read_mget_reply(sock, 1, pool) == [b"c" * 80]
     assert pool.reused == 1
+
+
+def test_a_value_claiming_more_than_the_bound_is_refused_before_any_slab_is_taken():
+    pool = SlabPool(slab_bytes=1 << 10, keep_bytes=1 << 20)
+    # the server claims 3 GB (and sends nothing of it)
+    sock = reply_sock(b"*2\r\n" + bulk(b"a" * 10) + b"$3000000000\r\n")
+    with pytest.raises(RespError, match="claims 3000000000 bytes"):
+        read_mget_reply(sock, 2, pool, max_value_bytes=1 << 20)
+    assert pool.created == 1  # the first value's slab only
+    # at the bound itself a value is read
+    sock = reply_sock(b"*1\r\n" + bulk(b"z" * 100))
+    assert read_mget_reply(sock, 1, pool, max_value_bytes=100) == [b"z" * 100]
