@@ -20,6 +20,7 @@ Keys that Redis drops by its own eviction policy are plain misses. A SET refused
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import re
@@ -40,6 +41,17 @@ from kvmesh.kvstore.tier import Tier
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+def _pooled_connection(pool: redis.ConnectionPool, command: str):
+    """``pool.get_connection`` across redis-py versions: before 5.3 the command name is a
+    required argument, from 5.3 on passing it is deprecated (a warning per call)."""
+    param = inspect.signature(type(pool).get_connection).parameters.get("command_name")
+    if param is not None and param.default is inspect.Parameter.empty:
+        return pool.get_connection(command)
+    return pool.get_connection()
+
+
 _SKIPPED = object()  # the call did not reach the server (backoff, or it failed)
 
 
@@ -276,7 +288,7 @@ class RedisTier(Tier):
         """MGET on a pooled connection, each value received straight into a reused slab
         (``redis_fast``; values are ``memoryview`` slices). Falls back to redis-py's MGET
         where the connection has no plain socket to read."""
-        conn = self._pool.get_connection()
+        conn = _pooled_connection(self._pool, "MGET")
         try:
             conn.send_command("MGET", *keys)
             sock = conn._get_socket() if hasattr(conn, "_get_socket") else None

@@ -8,13 +8,15 @@ import os
 import socket
 import threading
 import time
+import warnings
 
 import pytest
+import redis
 from helpers import text_prompts
 
 from kvmesh.kvstore.codec import PageSpec, encode, max_object_bytes
 from kvmesh.kvstore.redis_fast import SlabPool
-from kvmesh.kvstore.redis_tier import RedisTier
+from kvmesh.kvstore.redis_tier import RedisTier, _pooled_connection
 from kvmesh.kvstore.store import TieredStore
 from kvmesh.worker import LLM, SamplingParams
 
@@ -208,3 +210,17 @@ def test_a_value_longer_than_the_store_allows_is_a_miss_not_an_allocation(redis_
             break
     assert tier.get([h(0)]) == [good]
     tier.close()
+
+
+def test_a_pooled_connection_is_asked_for_as_each_redis_py_version_wants(redis_server):
+    class OldPool:  # redis-py < 5.3: the command name is required
+        def get_connection(self, command_name, *keys, **options):
+            return ("conn", command_name)
+
+    assert _pooled_connection(OldPool(), "MGET") == ("conn", "MGET")
+    pool = redis.BlockingConnectionPool.from_url(redis_server.url, max_connections=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the installed redis-py: no deprecation warning either
+        conn = _pooled_connection(pool, "MGET")
+    pool.release(conn)
+    pool.disconnect()
