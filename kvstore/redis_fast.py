@@ -14,9 +14,11 @@ caller may keep a value as long as it likes: that slab is simply not reused. At 
 
 A value longer than the caller's bound (``RedisTier.max_page_bytes``) is refused before
 any memory is taken for it. Both reply protocols are read (RESP2's ``$-1`` and RESP3's
-``_`` nulls). Anything that is not an array of bulk strings and nulls of the asked length
-raises ``RespError``; any error or timeout mid-reply leaves the connection in an unknown
-state, so the caller must disconnect it (``RedisTier`` does).
+``_`` nulls); RESP3 push frames before the reply are read past. Anything that is not an
+array of bulk strings and nulls of the asked length raises ``RespError``, and so do bytes
+after the reply (the connection would be out of step). Any error or timeout mid-reply
+leaves the connection in an unknown state, so the caller must disconnect it (``RedisTier``
+does).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import sys
 import threading
 
 _LINE_MAX = 1024  # a RESP header line (``$737424``, ``*128``) is a few bytes
+_SKIP_DEPTH = 8  # nesting of a skipped push frame
+_SKIP_ITEMS = 1 << 16  # items of one skipped aggregate
 
 
 class RespError(ConnectionError):
@@ -107,6 +111,37 @@ class _Reader:
         if tail != b"\r\n":
             raise RespError("a value is not followed by CRLF")
 
+    def skip(self, head: bytes, max_value_bytes: int, depth: int = 0) -> None:
+        """Read past the rest of the RESP value whose header line is ``head`` (a RESP3 push
+        frame, which is not part of the reply it comes before)."""
+        if depth > _SKIP_DEPTH:
+            raise RespError("a pushed value is nested too deep")
+        kind = head[:1]
+        if kind in b"+-:_#,(" and kind:  # one line, already read
+            return
+        try:
+            n = int(head[1:])
+        except ValueError:
+            raise RespError(f"bad RESP header {head[:40]!r}") from None
+        if kind in b"$!=" and kind:  # bulk: n bytes and CRLF (-1: null)
+            if n > max_value_bytes:
+                raise RespError(f"a pushed value claims {n} bytes, more than allowed")
+            scratch = memoryview(bytearray(min(max(n, 0), 1 << 16)))
+            while n > 0:
+                step = min(n, len(scratch))
+                self.into(scratch[:step])
+                n -= step
+            if n == 0:
+                self.crlf()
+            return
+        if kind in b"*>~%|" and kind:  # aggregates (a map or attribute: n pairs)
+            if n > _SKIP_ITEMS:
+                raise RespError(f"a pushed aggregate claims {n} items, more than allowed")
+            for _ in range(2 * n if kind in b"%|" else max(n, 0)):
+                self.skip(self.line(), max_value_bytes, depth + 1)
+            return
+        raise RespError(f"unknown RESP type {head[:40]!r}")
+
 
 def read_mget_reply(
     sock: socket.socket, n_keys: int, slabs: SlabPool, max_value_bytes: int = 512 << 20
@@ -118,6 +153,9 @@ def read_mget_reply(
     claims)."""
     r = _Reader(sock)
     head = r.line()
+    while head[:1] == b">":  # a RESP3 push before the reply: not ours, read past it
+        r.skip(head, max_value_bytes)
+        head = r.line()
     if head[:1] == b"-":
         msg = head[1:200].decode(errors="replace")
         raise RespError(f"the server answered MGET with an error: {msg}")
@@ -161,4 +199,6 @@ def read_mget_reply(
         if slab is not None:
             view.release()
             slabs.give(slab)
+    if r.lo != r.hi:  # more than one reply was sent: the stream is not where it should be
+        raise RespError(f"{r.hi - r.lo} unexpected bytes after the MGET reply")
     return out

@@ -59,3 +59,24 @@ def test_a_value_claiming_more_than_the_bound_is_refused_before_any_slab_is_take
     # at the bound itself a value is read
     sock = reply_sock(b"*1\r\n" + bulk(b"z" * 100))
     assert read_mget_reply(sock, 1, pool, max_value_bytes=100) == [b"z" * 100]
+
+
+def test_bytes_after_the_reply_are_an_error_not_dropped():
+    pool = SlabPool(slab_bytes=1 << 10)
+    sock = reply_sock(b"*1\r\n" + bulk(b"v") + b"+OK\r\n")  # a second reply nobody asked for
+    with pytest.raises(RespError, match="5 unexpected bytes after the MGET reply"):
+        read_mget_reply(sock, 1, pool)
+
+
+def test_resp3_push_frames_before_the_reply_are_read_past():
+    pool = SlabPool(slab_bytes=1 << 10)
+    push = (
+        b">3\r\n$10\r\ninvalidate\r\n*2\r\n$3\r\nk:1\r\n+k:2\r\n%1\r\n:1\r\n_\r\n"
+        b">2\r\n$7\r\nmessage\r\n$-1\r\n"
+    )
+    sock = reply_sock(push + b"*3\r\n" + bulk(b"a" * 50) + b"_\r\n" + bulk(b"b"))
+    assert read_mget_reply(sock, 3, pool) == [b"a" * 50, None, b"b"]
+    # a push is not the reply: a push of the asked length alone is not taken for one
+    sock = reply_sock(b">1\r\n" + bulk(b"x"))
+    with pytest.raises(RespError, match="closed the connection"):
+        read_mget_reply(sock, 1, pool)
