@@ -4,6 +4,7 @@ reply cut or garbled mid-restore is a miss (the engine recomputes, same tokens).
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -148,14 +149,25 @@ def test_both_reply_protocols_read_values_and_misses(redis_server, protocol):
 
 
 @pytest.mark.parametrize("damage", ["cut", "garble"])
-def test_a_reply_damaged_mid_value_is_a_miss_and_the_next_read_works(proxy, damage):
+def test_a_reply_damaged_mid_value_is_a_miss_and_the_next_read_works(proxy, damage, caplog):
     tier = make_tier(proxy.url)
     objs = [encode(SPEC, os.urandom(SPEC.page_nbytes)) for _ in range(6)]
     hashes = [h(i) for i in range(6)]
     tier.put(list(zip(hashes, objs)))
-    getattr(proxy, f"{damage}_after")(3 * SPEC.page_nbytes)  # inside the fourth value
-    assert tier.get(hashes) == [None] * 6  # a fault: all misses, nothing raised
+    # the reply: b"*6\r\n", then b"$<n>\r\n<n bytes>\r\n" per value; the fourth value's
+    # "$" starts at `fourth`
+    header = len(b"$%d\r\n" % len(objs[0]))
+    fourth = len(b"*6\r\n") + 3 * (header + len(objs[0]) + 2)
+    if damage == "cut":  # the connection closes in the middle of the fourth value's bytes
+        proxy.cut_after(fourth + header + len(objs[0]) // 2)
+    else:  # the fourth value's header is garbled from its "$" on: not a bulk string
+        proxy.garble_after(fourth)
+    with caplog.at_level(logging.WARNING, logger="kvmesh.kvstore.redis_tier"):
+        assert tier.get(hashes) == [None] * 6  # a fault: all misses, nothing raised
     assert proxy.damaged == 1
+    # the reader saw what was damaged (not, say, a timeout)
+    seen = {"cut": "closed the connection mid-reply", "garble": "expected a bulk string"}
+    assert seen[damage] in caplog.text or (damage == "garble" and "too long" in caplog.text)
     assert tier.metrics["errors"] == 1 and not tier.healthy
     # the connection that saw half a reply is gone: the next read (after the backoff) is whole
     for _ in range(100):
