@@ -8,9 +8,10 @@ received (``recv_into``) directly into a slab, a large buffer the reader keeps a
 again once nothing refers to it, so a restore is one copy out of the socket into memory
 that is already mapped. The values come back as ``memoryview`` slices of the slabs.
 
-A slab is reused only when no view into it is alive (its reference count says so), so a
-caller may keep a value as long as it likes: that slab is simply not reused. At most
-``keep_bytes`` of slabs are kept.
+A slab is reused only when no view into it is alive (a bytearray with a live buffer
+refuses to be resized, see ``_unexported``), however derived: a caller may keep a value,
+or a view or array made from it, as long as it likes; that slab is simply not reused. At
+most ``keep_bytes`` of slabs are kept.
 
 A value longer than the caller's bound (``RedisTier.max_page_bytes``) is refused before
 any memory is taken for it. Both reply protocols are read (RESP2's ``$-1`` and RESP3's
@@ -24,7 +25,6 @@ does).
 from __future__ import annotations
 
 import socket
-import sys
 import threading
 
 _LINE_MAX = 1024  # a RESP header line (``$737424``, ``*128``) is a few bytes
@@ -34,6 +34,18 @@ _SKIP_ITEMS = 1 << 16  # items of one skipped aggregate
 
 class RespError(ConnectionError):
     """A reply that is not what an MGET returns, or a connection that closed mid-reply."""
+
+
+def _unexported(slab: bytearray) -> bool:
+    """Whether no buffer (``memoryview``, numpy array, ...) of ``slab`` is alive: a
+    bytearray refuses to change its size while any is (``BufferError``), however the view
+    was derived. Growing by a byte and back leaves the slab as it was."""
+    try:
+        slab.append(0)
+    except BufferError:
+        return False
+    slab.pop()
+    return True
 
 
 class SlabPool:
@@ -51,9 +63,7 @@ class SlabPool:
         """A slab of at least ``nbytes`` that nothing refers to (held or new)."""
         with self._lock:
             for i in range(len(self._slabs)):
-                # references: the list and getrefcount's argument; a live view of the slab
-                # adds one (its managed buffer holds the slab)
-                if len(self._slabs[i]) >= nbytes and sys.getrefcount(self._slabs[i]) <= 2:
+                if len(self._slabs[i]) >= nbytes and _unexported(self._slabs[i]):
                     self.reused += 1
                     return self._slabs.pop(i)
             self.created += 1

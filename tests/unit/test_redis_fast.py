@@ -80,3 +80,18 @@ def test_resp3_push_frames_before_the_reply_are_read_past():
     sock = reply_sock(b">1\r\n" + bulk(b"x"))
     with pytest.raises(RespError, match="closed the connection"):
         read_mget_reply(sock, 1, pool)
+
+
+def test_a_slab_is_not_reused_while_a_view_derived_from_a_value_lives():
+    import numpy as np
+
+    pool = SlabPool(slab_bytes=1 << 10)
+    [value] = read_mget_reply(reply_sock(b"*1\r\n" + bulk(b"k" * 64)), 1, pool)
+    derived = np.frombuffer(value[8:], dtype=np.uint8)  # e.g. a decoded payload view
+    del value  # the view handed out is gone, the one made from it is not
+    [other] = read_mget_reply(reply_sock(b"*1\r\n" + bulk(b"o" * 64)), 1, pool)
+    assert pool.created == 2 and pool.reused == 0
+    assert bytes(derived) == b"k" * 56, "a slab was reused under a live view"
+    del derived, other
+    [again] = read_mget_reply(reply_sock(b"*1\r\n" + bulk(b"a" * 64)), 1, pool)
+    assert again == b"a" * 64 and pool.reused == 1 and pool.created == 2
