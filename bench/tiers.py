@@ -92,8 +92,10 @@ def bench_ttft(args, text: str, redis_url: str) -> dict:
     tier._pool.disconnect()
     fast_mget = tier._mget
     on_redis_py = []  # baseline in the same run: the reply read by redis-py's own MGET
-    for p in prompts[: args.repeats]:
-        for path, times in ((fast_mget, on_redis), (tier._client.mget, on_redis_py)):
+    paths = [(fast_mget, on_redis), (tier._client.mget, on_redis_py)]
+    for i, p in enumerate(prompts[: args.repeats]):
+        # alternate which reader goes first: neither always gets the warmer caches
+        for path, times in paths if i % 2 == 0 else paths[::-1]:
             tier._mget = path
             ttft(red, p)
             red.reset_prefix_cache()  # no host tier: straight to Redis
