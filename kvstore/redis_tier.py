@@ -2,7 +2,8 @@
 
 Keys are ``{namespace}:{model_fp}:{cache_format}:{page_hash_hex}``, the namespace ``kvmesh``
 by default (DESIGN.md; another one keeps two clusters sharing a Redis apart). Every batch is
-one round trip: ``get`` is one MGET, ``contains`` pipelined EXISTS, ``put`` pipelined SET
+one round trip: ``get`` is one MGET (its reply read straight into reused buffers, see
+``kvstore/redis_fast.py``), ``contains`` pipelined EXISTS, ``put`` pipelined SET
 with PX (a page expires ``DEFAULT_TTL_S``, a day, after it was last written, unless told
 otherwise; ``ttl_s=None``: never), ``evict`` one DEL.
 
@@ -19,6 +20,7 @@ Keys that Redis drops by its own eviction policy are plain misses. A SET refused
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import re
@@ -33,16 +35,29 @@ from redis.backoff import NoBackoff
 from redis.exceptions import OutOfMemoryError
 from redis.retry import Retry
 
+from kvmesh.kvstore.redis_fast import SlabPool, read_mget_reply
 from kvmesh.kvstore.tier import Tier
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+def _pooled_connection(pool: redis.ConnectionPool, command: str):
+    """``pool.get_connection`` across redis-py versions: before 5.3 the command name is a
+    required argument, from 5.3 on passing it is deprecated (a warning per call)."""
+    param = inspect.signature(type(pool).get_connection).parameters.get("command_name")
+    if param is not None and param.default is inspect.Parameter.empty:
+        return pool.get_connection(command)
+    return pool.get_connection()
+
+
 _SKIPPED = object()  # the call did not reach the server (backoff, or it failed)
 
 
 DEFAULT_NAMESPACE = "kvmesh"
 DEFAULT_TTL_S = 24 * 3600.0  # a page not written again for a day is dropped
+DEFAULT_MAX_PAGE_BYTES = 512 << 20  # Redis's own longest value (proto-max-bulk-len)
 _NAMESPACE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
 
@@ -98,6 +113,7 @@ class RedisTier(Tier):
         max_connections: int = 8,
         backoff_s: float = 0.1,
         max_backoff_s: float = 4.0,
+        max_page_bytes: int = DEFAULT_MAX_PAGE_BYTES,
     ) -> None:
         if not model_fp or ":" in model_fp:
             raise ValueError(f"model_fp must be a non-empty string without ':', got {model_fp!r}")
@@ -119,6 +135,11 @@ class RedisTier(Tier):
             raise ValueError(
                 f"need 0 < backoff_s <= max_backoff_s, got {backoff_s!r} and {max_backoff_s!r}"
             )
+        if max_page_bytes < 1:
+            raise ValueError(f"max_page_bytes must be >= 1, got {max_page_bytes!r}")
+        # A value read back longer than this is a fault (a miss), refused before memory is
+        # taken for it; TieredStore lowers it to the longest object its page spec allows.
+        self.max_page_bytes = max_page_bytes
         self.url = redact_url(url)  # what logs show: the real one stays in the pool
         self.namespace = namespace
         self.model_fp = model_fp
@@ -136,6 +157,7 @@ class RedisTier(Tier):
             retry=Retry(NoBackoff(), 0),
         )
         self._client = redis.Redis(connection_pool=self._pool)
+        self._slabs = SlabPool()  # reused receive buffers of the MGET path
         self._lock = threading.Lock()  # guards metrics and the health state
         self._down_since: float | None = None  # monotonic time of the incident's first fault
         self._retry_at = 0.0
@@ -250,7 +272,7 @@ class RedisTier(Tier):
         if not hashes:
             return []
         keys = self._keys(hashes)
-        result = self._call("MGET", lambda: self._client.mget(keys))
+        result = self._call("MGET", lambda: self._mget(keys))
         if result is _SKIPPED:
             self._count(misses=len(hashes))
             return [None] * len(hashes)
@@ -261,6 +283,23 @@ class RedisTier(Tier):
             bytes_read=sum(len(v) for v in hits),
         )
         return list(result)
+
+    def _mget(self, keys: list[str]) -> list:
+        """MGET on a pooled connection, each value received straight into a reused slab
+        (``redis_fast``; values are ``memoryview`` slices). Falls back to redis-py's MGET
+        where the connection has no plain socket to read."""
+        conn = _pooled_connection(self._pool, "MGET")
+        try:
+            conn.send_command("MGET", *keys)
+            sock = conn._get_socket() if hasattr(conn, "_get_socket") else None
+            if sock is None:  # not a socket connection: let redis-py read the reply
+                return list(conn.read_response())
+            return read_mget_reply(sock, len(keys), self._slabs, self.max_page_bytes)
+        except BaseException:
+            conn.disconnect()  # mid-reply: the connection's state is unknown
+            raise
+        finally:
+            self._pool.release(conn)
 
     def put(self, items: Sequence[tuple[bytes, bytes]]) -> list[bytes]:
         if not items:

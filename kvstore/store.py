@@ -72,6 +72,9 @@ class TieredStore:
         self.events = events
         self._report_lock = threading.Lock()  # a put or evict and its events, in order
         self._victims: list[tuple[bytes, bytes]] = []  # host victims awaiting write-back
+        # host victims on their way down (from the eviction until the next tier's put has
+        # returned): in neither tier meanwhile, so locate and get look here too
+        self._transit: dict[bytes, bytes] = {}
         self._deferring = False
         # A tier that receives objects from the network (PeerTier) refuses any longer than
         # this store's pages can be, before allocating for them.
@@ -116,6 +119,9 @@ class TieredStore:
         """A HostTier first in line evicted these by its budget: report them gone now, and
         hand them to the next tier (after ``put_encoded``'s lock when inside it)."""
         self._report(self.tiers[0], removed=[h for h, _ in victims])
+        if len(self.tiers) > 1:
+            with self._lock:
+                self._transit.update(victims)
         if self._deferring:
             self._victims += victims
         else:
@@ -123,7 +129,17 @@ class TieredStore:
 
     def _spill_down(self, victims: list[tuple[bytes, bytes]]) -> None:
         if victims and len(self.tiers) > 1:
-            self._report(self.tiers[1], stored=self.tiers[1].put(victims))
+            try:
+                self._report(self.tiers[1], stored=self.tiers[1].put(victims))
+            finally:  # stored or refused: no longer in transit (unless evicted again since)
+                with self._lock:
+                    for h, obj in victims:
+                        if self._transit.get(h) is obj:
+                            del self._transit[h]
+
+    def _in_transit(self, hashes: Sequence[bytes]) -> list[bytes | None]:
+        with self._lock:
+            return [self._transit.get(h) for h in hashes]
 
     def _report(self, tier: Tier, stored: Sequence[bytes] = (), removed: Sequence[bytes] = ()):
         if self.events is None or tier.name not in REPORTED_TIERS:
@@ -147,8 +163,23 @@ class TieredStore:
         return run
 
     def locate(self, hashes: Sequence[bytes]) -> list[str | None]:
-        """For every page, the first tier that holds it, or None (``contains`` only)."""
-        return locate(self.tiers, hashes)
+        """For every page, the first tier that holds it, or None (``contains`` only). A
+        page evicted from a first-in-line HostTier and not yet stored by the next tier is
+        reported as the first tier's (it is still in this process's memory)."""
+        where = locate(self.tiers[:1], hashes)
+        pending = [i for i, w in enumerate(where) if w is None]
+        if pending and len(self.tiers) > 1:
+            # after the first tier and before the next: a page moves host -> transit ->
+            # next tier, so checking in that order cannot miss one that moves meanwhile
+            moving = self._in_transit([hashes[i] for i in pending])
+            for i, obj in zip(pending, moving):
+                if obj is not None:
+                    where[i] = self.tiers[0].name
+            pending = [i for i, obj in zip(pending, moving) if obj is None]
+            below = locate(self.tiers[1:], [hashes[i] for i in pending])
+            for i, w in zip(pending, below):
+                where[i] = w
+        return where
 
     def get(self, hashes: Sequence[bytes]) -> list[tuple[str, memoryview] | None]:
         """For each hash, ``(tier name, validated payload)`` from the first tier that has a
@@ -156,10 +187,19 @@ class TieredStore:
         fail validation are deleted from their tier and counted as ``corrupt``."""
         out: list[tuple[str, memoryview] | None] = [None] * len(hashes)
         pending = list(range(len(hashes)))
-        for tier in self.tiers:
+        # after the first tier, the pages in transit from it to the next (see ``locate``):
+        # served and counted as the first tier's
+        steps: list[Tier | None] = [self.tiers[0]]
+        if len(self.tiers) > 1:
+            steps += [None, *self.tiers[1:]]
+        for step in steps:
             if not pending:
                 break
-            objs = tier.get([hashes[i] for i in pending])
+            tier = self.tiers[0] if step is None else step
+            if step is None:
+                objs = self._in_transit([hashes[i] for i in pending])
+            else:
+                objs = tier.get([hashes[i] for i in pending])
             still: list[int] = []
             bad: list[bytes] = []
             n_bytes = 0
@@ -181,21 +221,30 @@ class TieredStore:
                     continue
                 out[i] = (tier.name, payload)
                 n_bytes += payload.nbytes
-            if bad:
+            if bad and step is None:
+                with self._lock:
+                    for b in bad:
+                        self._transit.pop(b, None)
+            elif bad:
                 with self._report_lock:
                     tier.evict(bad)
                     self._report(tier, removed=bad)
             with self._lock:
                 c = self._counts[tier.name]
                 c["hits"] += len(pending) - len(still)
-                c["misses"] += len(still)
+                # the first tier's misses once, after transit (a page found there is a hit)
+                if step is None or len(steps) == 1 or step is not self.tiers[0]:
+                    c["misses"] += len(still)
                 c["corrupt"] += len(bad)
                 c["bytes"] += n_bytes
             pending = still
         return out
 
     def evict(self, hashes: Sequence[bytes]) -> None:
-        """Drop these pages from every tier."""
+        """Drop these pages from every tier (and from transit between them)."""
+        with self._lock:
+            for h in hashes:
+                self._transit.pop(h, None)
         with self._report_lock:
             for tier in self.tiers:
                 tier.evict(hashes)

@@ -17,8 +17,8 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Collection, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
@@ -74,7 +74,11 @@ class KVOffloader:
         self._fetch_pool = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-fetch")
         self._evicted: list[tuple[bytes, int]] = []  # (hash, page id) awaiting a copy
         self._fetches: dict[str, Future] = {}
-        self._done = threading.Event()  # set by the fetch thread when a fetch finishes
+        # page hash -> the future of the spill batch carrying it, until that batch is stored
+        self._spilling: dict[bytes, Future] = {}
+        # set once a fetch's future is done (its done-callback: set from inside the fetch,
+        # the engine thread could wake before the result is there and sleep a full timeout)
+        self._done = threading.Event()
         self._backlog = 0  # pages copied out but not yet put (spill thread)
         self._lock = threading.Lock()
         self._staging = _StagingBuffers(self.page_nbytes, max_pages=max_spill_backlog)
@@ -143,7 +147,19 @@ class KVOffloader:
                 with self._lock:
                     self._backlog -= (len(parts) - k) * per
                 raise
-            self._spill_pool.submit(self._spill, [h for h, _ in part], buf, pinned)
+            hashes = [h for h, _ in part]
+            fut = self._spill_pool.submit(self._spill, hashes, buf, pinned)
+            with self._lock:
+                for h in hashes:
+                    self._spilling[h] = fut
+            fut.add_done_callback(lambda f, hs=hashes: self._spilled(hs, f))
+
+    def _spilled(self, hashes: list[bytes], fut: Future) -> None:
+        """A spill batch is in the store: its pages no longer hold up fetches."""
+        with self._lock:
+            for h in hashes:
+                if self._spilling.get(h) is fut:
+                    del self._spilling[h]
 
     def _spill(self, hashes: list[bytes], buf: torch.Tensor, pinned: bool) -> None:
         try:
@@ -173,12 +189,16 @@ class KVOffloader:
         """Look up ``hashes`` (the request's pages after its device hits) in the store and
         fetch the longest consecutive run, on the fetch thread. ``on_device[i]``: page i is
         on the device (held for the request) and needs no fetch, only to continue the run."""
-        # pages evicted up to now may still be on their way to the store: the fetch looks
-        # up only after they are in (the spill thread is FIFO, so this barrier is enough)
-        spilled = self._spill_pool.submit(lambda: None)
-        self._fetches[req.request_id] = self._fetch_pool.submit(
+        # pages of this request evicted up to now may still be on their way to the store:
+        # the fetch looks up only after their spills are in. Spills of other pages do not
+        # hold it up (behind a burst of evictions they would queue a restore for seconds).
+        with self._lock:
+            spilled = {self._spilling[h] for h in hashes if h in self._spilling}
+        fut = self._fetch_pool.submit(
             self._fetch, req, first_page, list(hashes), list(on_device), spilled, time.monotonic()
         )
+        self._fetches[req.request_id] = fut
+        fut.add_done_callback(lambda _: self._done.set())
 
     def set_peer_auth(self, identity, tls) -> None:
         """The cluster identity (``protos.security.ClusterIdentity``) and TLS material
@@ -247,14 +267,13 @@ class KVOffloader:
         first_page: int,
         hashes: list[bytes],
         on_device: list[bool],
-        spilled: Future | None = None,
+        spilled: Collection[Future] = (),
         started: float | None = None,
     ) -> FetchResult:
         tiers: list[str] = []
         payloads: list[memoryview | None] = []
         try:
-            if spilled is not None:
-                spilled.result()
+            wait(spilled)  # the spills of this request's own pages
             got: list = []
             if self.store is not None:
                 got = self._fetch_run(self.store, hashes, on_device)
@@ -275,8 +294,6 @@ class KVOffloader:
             with self._lock:
                 self.metrics["promotion_errors"] += 1
             tiers, payloads = [], []
-        finally:
-            self._done.set()
         fetched = [t for t in tiers if t != "device"]
         with self._lock:
             self.metrics["promotions"] += 1

@@ -194,3 +194,39 @@ def test_store_drops_corrupt_objects_and_counts_them(caplog):
 def test_store_rejects_duplicate_tier_names():
     with pytest.raises(ValueError, match="unique"):
         TieredStore(SPEC, [HostTier(1), HostTier(1)])
+
+
+class SlowTier(HostTier):
+    """A far tier whose puts wait until released (a Redis SET in flight)."""
+
+    name = "far"
+
+    def __init__(self, budget: int) -> None:
+        super().__init__(budget)
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def put(self, items):
+        self.entered.set()
+        assert self.release.wait(10)
+        return super().put(items)
+
+
+def test_a_page_on_its_way_down_is_found_until_the_next_tier_has_it():
+    one = len(encode(SPEC, page(0)))
+    near, far = HostTier(2 * one), SlowTier(100 * one)
+    store = TieredStore(SPEC, [near, far])
+    store.put([(h(i), page(i)) for i in range(2)])
+    spill = threading.Thread(target=store.put, args=([(h(2), page(2))],))
+    spill.start()  # evicts page 0 from the host, whose put to `far` then waits
+    try:
+        assert far.entered.wait(10)
+        assert not near.contains([h(0)])[0] and not far.contains([h(0)])[0]
+        assert store.locate([h(0), h(1), h(9)]) == ["host", "host", None]
+        got = store.get([h(0), h(9)])
+        assert got[0][0] == "host" and got[0][1].tobytes() == page(0) and got[1] is None
+        assert store.metrics()["host"]["misses"] == 1  # h(9), counted once
+    finally:
+        far.release.set()
+        spill.join()
+    assert store.locate([h(0)]) == ["far"] and store._transit == {}
+    assert store.get([h(0)])[0][1].tobytes() == page(0)

@@ -4,6 +4,7 @@ buffers and reach the host tier byte for byte; loads hand back views of the stor
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -92,6 +93,48 @@ def test_spill_backlog_counts_staging_slots_so_a_stalled_store_bounds_memory():
         _evict(off, pool, [3])  # room again
         off.drain()
         assert off.metrics["spilled_pages"] == 3 and off._staging.created == 2
+    finally:
+        gate.set()
+        off.close()
+
+
+def _take(off, request_id, timeout_s):
+    """The fetch's result once it is there, or None after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        res = off.take_fetch(request_id)
+        if res is not None:
+            return res
+        off.wait_for_fetch(0.05)
+    return None
+
+
+def test_a_fetch_waits_for_its_own_pages_spills_only():
+    spec = PageSpec("ab12", "fp32", 2, 1, 4, 16, NBYTES)
+    host = HostTier(1 << 30)
+    gate = threading.Event()
+    put = host.put
+    off = KVOffloader(TieredStore(spec, [host]), spec)
+    try:
+        pool = torch.randint(0, 256, (8, NBYTES), dtype=torch.uint8)
+        _evict(off, pool, [0])  # page 0 reaches the store before the stall
+        off.drain()
+        host.put = lambda items: (gate.wait(10), put(items))  # a store that stalls
+        _evict(off, pool, [5, 6])  # other pages' spill, stalled
+        mine = Request("a", list(range(40)), SamplingParams(), block_size=16, model_fp="ab12")
+        off.start_fetch(mine, 0, [bytes([0]) * 32], [False])
+        res = _take(off, "a", 5.0)  # not queued behind the stalled spill
+        assert res is not None and res.tiers == ["host"] and not gate.is_set()
+        assert bytes(res.payloads[0]) == pool[0].numpy().tobytes()
+        _evict(off, pool, [7])  # this request's own page, stalled too
+        own = Request("b", list(range(40)), SamplingParams(), block_size=16, model_fp="ab12")
+        off.start_fetch(own, 0, [bytes([7]) * 32], [False])
+        assert _take(off, "b", 0.3) is None  # it waits for its page's spill
+        gate.set()
+        res = _take(off, "b", 5.0)
+        assert res is not None and res.tiers == ["host"]  # and then finds it
+        assert bytes(res.payloads[0]) == pool[7].numpy().tobytes()
+        assert not off._spilling  # every finished spill forgotten
     finally:
         gate.set()
         off.close()
