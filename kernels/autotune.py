@@ -73,7 +73,8 @@ BUCKETS = tuple(2**i for i in range(12))  # 1 .. 2048 rows (tuned: up to MAX_TUN
 CACHE_FORMAT = 1  # bumped when the candidates or the timing change: old entries are stale
 ROUNDS = 7
 TIME_BUDGET_S = 0.25  # a measurement stops after 3 rounds once its rounds took this long
-MAX_TUNED_ROWS = 256  # larger products run F.linear untuned (see the module doc)
+MAX_TUNED_ROWS = 256  # larger products run F.linear untuned in exact mode (module doc)
+PREFILL_CANDIDATES = ("linear", "onednn")  # auto above MAX_TUNED_ROWS: MKL packed is for small M
 # environment that changes which kernels MKL / oneDNN / ATen dispatch to: part of the key
 ISA_ENV = (
     "MKL_ENABLE_INSTRUCTIONS",
@@ -277,7 +278,7 @@ class GemmTuner:
                 choice = self.mode if self.mode in candidates else "linear"
             elif self.mode == "legacy":
                 choice = "mkl" if "mkl" in candidates and 8 < rows <= 64 else "linear"
-            elif rows > MAX_TUNED_ROWS:
+            elif rows > MAX_TUNED_ROWS and self.mode != "auto":
                 choice = "linear"
             else:
                 choice = self._cached(shape, rows, candidates)
@@ -341,17 +342,34 @@ def _name(shape) -> str:
     return f"{k}->{n}{' +bias' if bias else ''}"
 
 
-_default: GemmTuner | None = None
+_tuners: dict[str, GemmTuner] = {}  # the process's tuners, one per mode
 _default_lock = threading.Lock()
 
 
-def default_tuner() -> GemmTuner:
-    """The process's tuner: cache in ``$KVMESH_AUTOTUNE_DIR`` (default
-    ``$KVMESH_CACHE_DIR/autotune``), mode ``$KVMESH_GEMM``."""
-    global _default
-    with _default_lock:
-        if _default is None:
-            from kvmesh.worker import envs
+def engine_mode(quantized_kv: bool) -> str:
+    """The mode an engine's linear layers run: ``$KVMESH_GEMM`` when set; else ``exact`` for
+    a quantized KV cache (its outputs are held to equal the fake-quantized transformers
+    reference token for token, and oneDNN's last-bit differences flip int8/int4 codes) and
+    ``auto`` for float caches (the fastest measured; the fp32 transformers parity tests pass
+    under it: rounding-level differences, as with the C elementwise kernels)."""
+    from kvmesh.worker import envs
 
-            _default = GemmTuner(envs.autotune_dir() / "gemm.json", mode=envs.gemm_mode())
-        return _default
+    return envs.gemm_mode() or ("exact" if quantized_kv else "auto")
+
+
+def default_tuner(mode: str | None = None) -> GemmTuner:
+    """The process's tuner for ``mode`` (default ``$KVMESH_GEMM``, else ``exact``): cache in
+    ``$KVMESH_AUTOTUNE_DIR`` (default ``$KVMESH_CACHE_DIR/autotune``)."""
+    from kvmesh.worker import envs
+
+    mode = mode or envs.gemm_mode() or "exact"
+    with _default_lock:
+        if mode not in _tuners:
+            _tuners[mode] = GemmTuner(envs.autotune_dir() / "gemm.json", mode=mode)
+        return _tuners[mode]
+
+
+def reset_default_tuners() -> None:
+    """Forget the process's tuners (benchmarks that switch ``KVMESH_GEMM`` in one process)."""
+    with _default_lock:
+        _tuners.clear()

@@ -48,7 +48,8 @@ class PackedLinear:
     """``y = x @ weight.T + bias`` with the GEMM each row bucket measured fastest.
 
     ``weight``: (N, K) on CPU; float32 takes the tuned paths, other dtypes ``F.linear``.
-    ``tuner``: a ``GemmTuner`` (default: the process's, ``autotune.default_tuner()``).
+    ``tuner``: a ``GemmTuner`` (default: the process's, ``autotune.default_tuner()``; the
+    engine sets its own per KV cache format, ``LlamaForCausalLM.set_gemm_tuner``).
     ``pack_rows``: the row count MKL's packing is made for and the chunk its rows run in.
     """
 
@@ -130,8 +131,10 @@ class PackedLinear:
         got = plan.get(b)
         if got is None:
             cands = self._candidates()
-            tuned = self.tuner.mode in ("auto", "exact")
-            if len(cands) == 1 or (tuned and b > autotune.MAX_TUNED_ROWS):
+            mode = self.tuner.mode
+            if b > autotune.MAX_TUNED_ROWS and mode == "auto":  # prefill-sized products
+                cands = {n: f for n, f in cands.items() if n in autotune.PREFILL_CANDIDATES}
+            if len(cands) == 1 or (mode == "exact" and b > autotune.MAX_TUNED_ROWS):
                 got = "linear"
             else:
                 g = torch.Generator().manual_seed(b)
