@@ -11,10 +11,12 @@ which candidate to run for each (weight shape, row bucket) and the tuner times t
 * ``onednn``: ``torch.ops.mkldnn._linear_pointwise`` over a weight reordered once into
   oneDNN's blocked layout.
 
-Rows are bucketed by the next power of two (1, 2, 4, ..., 256). Products of more than
-``MAX_TUNED_ROWS`` (256) rows run ``F.linear`` untuned in ``auto``/``exact`` mode: at
-prefill sizes the packing ``F.linear`` repeats is a small share of the product, and timing
-every candidate on a large weight at 2048 rows took most of a minute in the request path. A
+Rows are bucketed by the next power of two (1, 2, 4, ..., 2048). In ``exact`` mode products of
+more than ``MAX_TUNED_ROWS`` (256) rows run ``F.linear`` untuned (no candidate there is
+bit-equal and faster, and timing MKL packed on a large weight at 2048 rows took most of a
+minute); in ``auto`` mode they race ``F.linear`` against oneDNN only (``PREFILL_CANDIDATES``:
+MKL packed multiplies 32 rows at a time and is not made for prefill sizes), which on the
+2-core EPYC was 1.0-1.6x faster than ``F.linear`` at prefill shapes (loaded machine). A
 bucket is measured the first time a product of that size runs: every candidate on the real
 weight, interleaved in rounds (7, or 3 once they took 0.25 s), median time, fastest wins.
 The choice is cached in memory (every layer shares a shape) and on disk, in
@@ -33,7 +35,7 @@ across the measurement, so one process per host measures a bucket and the others
 
 Numerics: ``linear`` and ``mkl`` (16 rows and up) give bit-identical results; ``onednn``
 accumulates in another order and differs from ``F.linear`` by float rounding (~1e-5
-relative). The engine's default mode, ``exact``, times every candidate first, then checks
+relative). ``exact`` mode times every candidate first, then checks
 the ones faster than ``F.linear``, fastest first, for bit-equality with ``F.linear`` and
 takes the first that passes (``F.linear`` when none does). ``PackedLinear`` checks every row
 count of a bucket up to 64 rows and, above, its smallest, middle and largest count (GEMM
@@ -44,7 +46,9 @@ quantized KV cache, so greedy tokens no longer equal the fake-quantized transfor
 reference of tests/integration/test_quantized_engine.py (measured: int8 test fails under
 ``auto``, passes under ``exact``/``legacy``). ``KVMESH_GEMM`` sets the mode: ``exact``,
 ``auto``, ``legacy`` (the fixed rule before autotuning: MKL packed for 9-64 rows, else
-``F.linear``), or one candidate's name.
+``F.linear``), or one candidate's name. Unset, the engine runs ``auto`` over float KV caches
+(rounding-level differences there, as with the C elementwise kernels: the fp32 transformers
+parity tests match token for token) and ``exact`` over quantized ones (``engine_mode``).
 """
 
 from __future__ import annotations

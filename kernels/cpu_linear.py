@@ -76,6 +76,11 @@ class PackedLinear:
             self._tuner = autotune.default_tuner()
         return self._tuner
 
+    def use_tuner(self, tuner: autotune.GemmTuner) -> None:
+        """Pick GEMMs with ``tuner`` from now on (choices made by the previous one dropped)."""
+        self._tuner = tuner
+        self._plans.clear()
+
     @property
     def plan(self) -> dict[int, str]:
         """Row bucket -> candidate, for the thread count now (a choice measured with 2

@@ -195,8 +195,7 @@ class LlamaForCausalLM(nn.Module):
         """Every fused projection and the LM head pick their GEMMs with ``tuner`` (a
         ``kernels.autotune.GemmTuner``; the engine's choice of mode per KV cache format)."""
         for lin in self._packed():
-            lin._tuner = tuner
-            lin._plans.clear()
+            lin.use_tuner(tuner)
 
     def _packed(self) -> list[PackedLinear]:
         out = [self.head] if self.head is not None else []
