@@ -79,6 +79,12 @@ ROUNDS = 7
 TIME_BUDGET_S = 0.25  # a measurement stops after 3 rounds once its rounds took this long
 MAX_TUNED_ROWS = 256  # larger products run F.linear untuned in exact mode (module doc)
 PREFILL_CANDIDATES = ("linear", "onednn")  # auto above MAX_TUNED_ROWS: MKL packed is for small M
+# auto: one measurement at this many rows stands for every bucket above MAX_TUNED_ROWS. Timing
+# the 1024- and 2048-row buckets too stalled the first long prompt for ~9.5 s (SmolLM2, 2 cores)
+PREFILL_TUNE_ROWS = 512
+# auto: a candidate replaces F.linear only when at least this much faster (median time ratio);
+# choices made from timing noise would differ host to host for no gain
+AUTO_MARGIN = 0.9
 # environment that changes which kernels MKL / oneDNN / ATen dispatch to: part of the key
 ISA_ENV = (
     "MKL_ENABLE_INSTRUCTIONS",
@@ -314,6 +320,10 @@ class GemmTuner:
             why = "median us: " + ", ".join(f"{n} {t:g}" for n, t in us.items())
             order = sorted(names, key=lambda n: times[n])
             choice = order[0]
+            if self.mode == "auto" and choice != "linear" and "linear" in times:
+                if times[choice] > AUTO_MARGIN * times["linear"]:
+                    why += f"; {choice} not {1 - AUTO_MARGIN:.0%} faster: F.linear kept"
+                    choice = "linear"
             if self.mode == "exact":
                 if exact is None:
                     ref = candidates["linear"]()

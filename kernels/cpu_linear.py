@@ -132,11 +132,13 @@ class PackedLinear:
 
     def _choose(self, rows: int) -> str:
         b = autotune.bucket(rows)
+        mode = self.tuner.mode
+        if b > autotune.MAX_TUNED_ROWS and mode == "auto":
+            b = autotune.PREFILL_TUNE_ROWS  # one measurement for every prefill-sized bucket
         plan = self.plan
         got = plan.get(b)
         if got is None:
             cands = self._candidates()
-            mode = self.tuner.mode
             if b > autotune.MAX_TUNED_ROWS and mode == "auto":  # prefill-sized products
                 cands = {n: f for n, f in cands.items() if n in autotune.PREFILL_CANDIDATES}
             if len(cands) == 1 or (mode == "exact" and b > autotune.MAX_TUNED_ROWS):

@@ -136,9 +136,19 @@ def test_products_above_256_rows_exact_runs_f_linear_auto_races_linear_and_onedn
     seen = []
     timer2 = lambda fns, rounds: seen.append(set(fns)) or {n: 1.0 for n in fns}  # noqa: E731
     auto = GemmTuner(None, mode="auto", timer=timer2)
-    assert _run(auto, rows=2048).plan == {2048: "linear"} and auto.measured == 1
+    assert _run(auto, rows=2048).plan == {512: "linear"} and auto.measured == 1
     assert seen == [set(autotune.PREFILL_CANDIDATES)]
-    assert _run(GemmTuner(None, mode="auto", timer=timer), rows=700).plan == {1024: "onednn"}
+    # one measurement (at 512 rows) stands for every prefill-sized bucket
+    lin = _run(GemmTuner(None, mode="auto", timer=timer), rows=700)
+    assert lin.plan == {512: "onednn"} and lin(torch.randn(1500, lin.weight.shape[1])) is not None
+    assert lin.plan == {512: "onednn"}
+
+
+def test_auto_keeps_f_linear_unless_a_candidate_is_clearly_faster():
+    near = lambda fns, rounds: {n: (0.95 if n != "linear" else 1.0) for n in fns}  # noqa: E731
+    assert _run(GemmTuner(None, mode="auto", timer=near), rows=16).plan == {16: "linear"}
+    far = lambda fns, rounds: {n: (0.8 if n == "onednn" else 1.0) for n in fns}  # noqa: E731
+    assert _run(GemmTuner(None, mode="auto", timer=far), rows=16).plan == {16: "onednn"}
 
 
 def test_engine_mode_is_auto_for_float_caches_exact_for_quantized_unless_set(monkeypatch):
