@@ -190,7 +190,7 @@ def bench_engine(args) -> dict:
     llms, prompts = {}, None
     for fmt, mode in configs:
         os.environ["KVMESH_GEMM"] = mode
-        autotune._default = None  # a fresh process tuner in this mode
+        autotune.reset_default_tuners()  # a fresh process tuner in this mode
         llm = LLM("smollm2-135m-instruct", kv_cache_dtype=fmt, kv_cache_memory="512MiB")
         if prompts is None:
             ids = llm.tokenizer.encode(text[:200_000])

@@ -11,10 +11,12 @@ which candidate to run for each (weight shape, row bucket) and the tuner times t
 * ``onednn``: ``torch.ops.mkldnn._linear_pointwise`` over a weight reordered once into
   oneDNN's blocked layout.
 
-Rows are bucketed by the next power of two (1, 2, 4, ..., 256). Products of more than
-``MAX_TUNED_ROWS`` (256) rows run ``F.linear`` untuned in ``auto``/``exact`` mode: at
-prefill sizes the packing ``F.linear`` repeats is a small share of the product, and timing
-every candidate on a large weight at 2048 rows took most of a minute in the request path. A
+Rows are bucketed by the next power of two (1, 2, 4, ..., 2048). In ``exact`` mode products of
+more than ``MAX_TUNED_ROWS`` (256) rows run ``F.linear`` untuned (no candidate there is
+bit-equal and faster, and timing MKL packed on a large weight at 2048 rows took most of a
+minute); in ``auto`` mode they race ``F.linear`` against oneDNN only (``PREFILL_CANDIDATES``:
+MKL packed multiplies 32 rows at a time and is not made for prefill sizes), which on the
+2-core EPYC was 1.0-1.6x faster than ``F.linear`` at prefill shapes (loaded machine). A
 bucket is measured the first time a product of that size runs: every candidate on the real
 weight, interleaved in rounds (7, or 3 once they took 0.25 s), median time, fastest wins.
 The choice is cached in memory (every layer shares a shape) and on disk, in
@@ -33,7 +35,7 @@ across the measurement, so one process per host measures a bucket and the others
 
 Numerics: ``linear`` and ``mkl`` (16 rows and up) give bit-identical results; ``onednn``
 accumulates in another order and differs from ``F.linear`` by float rounding (~1e-5
-relative). The engine's default mode, ``exact``, times every candidate first, then checks
+relative). ``exact`` mode times every candidate first, then checks
 the ones faster than ``F.linear``, fastest first, for bit-equality with ``F.linear`` and
 takes the first that passes (``F.linear`` when none does). ``PackedLinear`` checks every row
 count of a bucket up to 64 rows and, above, its smallest, middle and largest count (GEMM
@@ -44,7 +46,9 @@ quantized KV cache, so greedy tokens no longer equal the fake-quantized transfor
 reference of tests/integration/test_quantized_engine.py (measured: int8 test fails under
 ``auto``, passes under ``exact``/``legacy``). ``KVMESH_GEMM`` sets the mode: ``exact``,
 ``auto``, ``legacy`` (the fixed rule before autotuning: MKL packed for 9-64 rows, else
-``F.linear``), or one candidate's name.
+``F.linear``), or one candidate's name. Unset, the engine runs ``auto`` over float KV caches
+(rounding-level differences there, as with the C elementwise kernels: the fp32 transformers
+parity tests match token for token) and ``exact`` over quantized ones (``engine_mode``).
 """
 
 from __future__ import annotations
@@ -73,7 +77,14 @@ BUCKETS = tuple(2**i for i in range(12))  # 1 .. 2048 rows (tuned: up to MAX_TUN
 CACHE_FORMAT = 1  # bumped when the candidates or the timing change: old entries are stale
 ROUNDS = 7
 TIME_BUDGET_S = 0.25  # a measurement stops after 3 rounds once its rounds took this long
-MAX_TUNED_ROWS = 256  # larger products run F.linear untuned (see the module doc)
+MAX_TUNED_ROWS = 256  # larger products run F.linear untuned in exact mode (module doc)
+PREFILL_CANDIDATES = ("linear", "onednn")  # auto above MAX_TUNED_ROWS: MKL packed is for small M
+# auto: one measurement at this many rows stands for every bucket above MAX_TUNED_ROWS. Timing
+# the 1024- and 2048-row buckets too stalled the first long prompt for ~9.5 s (SmolLM2, 2 cores)
+PREFILL_TUNE_ROWS = 512
+# auto: a candidate replaces F.linear only when at least this much faster (median time ratio);
+# choices made from timing noise would differ host to host for no gain
+AUTO_MARGIN = 0.9
 # environment that changes which kernels MKL / oneDNN / ATen dispatch to: part of the key
 ISA_ENV = (
     "MKL_ENABLE_INSTRUCTIONS",
@@ -277,7 +288,7 @@ class GemmTuner:
                 choice = self.mode if self.mode in candidates else "linear"
             elif self.mode == "legacy":
                 choice = "mkl" if "mkl" in candidates and 8 < rows <= 64 else "linear"
-            elif rows > MAX_TUNED_ROWS:
+            elif rows > MAX_TUNED_ROWS and self.mode != "auto":
                 choice = "linear"
             else:
                 choice = self._cached(shape, rows, candidates)
@@ -309,6 +320,10 @@ class GemmTuner:
             why = "median us: " + ", ".join(f"{n} {t:g}" for n, t in us.items())
             order = sorted(names, key=lambda n: times[n])
             choice = order[0]
+            if self.mode == "auto" and choice != "linear" and "linear" in times:
+                if times[choice] > AUTO_MARGIN * times["linear"]:
+                    why += f"; {choice} not {1 - AUTO_MARGIN:.0%} faster: F.linear kept"
+                    choice = "linear"
             if self.mode == "exact":
                 if exact is None:
                     ref = candidates["linear"]()
@@ -341,17 +356,34 @@ def _name(shape) -> str:
     return f"{k}->{n}{' +bias' if bias else ''}"
 
 
-_default: GemmTuner | None = None
+_tuners: dict[str, GemmTuner] = {}  # the process's tuners, one per mode
 _default_lock = threading.Lock()
 
 
-def default_tuner() -> GemmTuner:
-    """The process's tuner: cache in ``$KVMESH_AUTOTUNE_DIR`` (default
-    ``$KVMESH_CACHE_DIR/autotune``), mode ``$KVMESH_GEMM``."""
-    global _default
-    with _default_lock:
-        if _default is None:
-            from kvmesh.worker import envs
+def engine_mode(quantized_kv: bool) -> str:
+    """The mode an engine's linear layers run: ``$KVMESH_GEMM`` when set; else ``exact`` for
+    a quantized KV cache (its outputs are held to equal the fake-quantized transformers
+    reference token for token, and oneDNN's last-bit differences flip int8/int4 codes) and
+    ``auto`` for float caches (the fastest measured; the fp32 transformers parity tests pass
+    under it: rounding-level differences, as with the C elementwise kernels)."""
+    from kvmesh.worker import envs
 
-            _default = GemmTuner(envs.autotune_dir() / "gemm.json", mode=envs.gemm_mode())
-        return _default
+    return envs.gemm_mode() or ("exact" if quantized_kv else "auto")
+
+
+def default_tuner(mode: str | None = None) -> GemmTuner:
+    """The process's tuner for ``mode`` (default ``$KVMESH_GEMM``, else ``exact``): cache in
+    ``$KVMESH_AUTOTUNE_DIR`` (default ``$KVMESH_CACHE_DIR/autotune``)."""
+    from kvmesh.worker import envs
+
+    mode = mode or envs.gemm_mode() or "exact"
+    with _default_lock:
+        if mode not in _tuners:
+            _tuners[mode] = GemmTuner(envs.autotune_dir() / "gemm.json", mode=mode)
+        return _tuners[mode]
+
+
+def reset_default_tuners() -> None:
+    """Forget the process's tuners (benchmarks that switch ``KVMESH_GEMM`` in one process)."""
+    with _default_lock:
+        _tuners.clear()

@@ -48,7 +48,8 @@ class PackedLinear:
     """``y = x @ weight.T + bias`` with the GEMM each row bucket measured fastest.
 
     ``weight``: (N, K) on CPU; float32 takes the tuned paths, other dtypes ``F.linear``.
-    ``tuner``: a ``GemmTuner`` (default: the process's, ``autotune.default_tuner()``).
+    ``tuner``: a ``GemmTuner`` (default: the process's, ``autotune.default_tuner()``; the
+    engine sets its own per KV cache format, ``LlamaForCausalLM.set_gemm_tuner``).
     ``pack_rows``: the row count MKL's packing is made for and the chunk its rows run in.
     """
 
@@ -74,6 +75,11 @@ class PackedLinear:
         if self._tuner is None:
             self._tuner = autotune.default_tuner()
         return self._tuner
+
+    def use_tuner(self, tuner: autotune.GemmTuner) -> None:
+        """Pick GEMMs with ``tuner`` from now on (choices made by the previous one dropped)."""
+        self._tuner = tuner
+        self._plans.clear()
 
     @property
     def plan(self) -> dict[int, str]:
@@ -126,12 +132,16 @@ class PackedLinear:
 
     def _choose(self, rows: int) -> str:
         b = autotune.bucket(rows)
+        mode = self.tuner.mode
+        if b > autotune.MAX_TUNED_ROWS and mode == "auto":
+            b = autotune.PREFILL_TUNE_ROWS  # one measurement for every prefill-sized bucket
         plan = self.plan
         got = plan.get(b)
         if got is None:
             cands = self._candidates()
-            tuned = self.tuner.mode in ("auto", "exact")
-            if len(cands) == 1 or (tuned and b > autotune.MAX_TUNED_ROWS):
+            if b > autotune.MAX_TUNED_ROWS and mode == "auto":  # prefill-sized products
+                cands = {n: f for n, f in cands.items() if n in autotune.PREFILL_CANDIDATES}
+            if len(cands) == 1 or (mode == "exact" and b > autotune.MAX_TUNED_ROWS):
                 got = "linear"
             else:
                 g = torch.Generator().manual_seed(b)

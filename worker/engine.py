@@ -214,6 +214,11 @@ class LLMEngine:
             from kvmesh.worker import cpu_kernels
 
             self.model.cpu_kernels = cpu_kernels.load()
+        if self.device.type == "cpu" and hasattr(self.model, "set_gemm_tuner"):
+            from kvmesh.kernels import autotune  # GEMMs by measurement: auto / exact per format
+
+            mode = autotune.engine_mode(self.layout.quantized)
+            self.model.set_gemm_tuner(autotune.default_tuner(mode))
         # per-request KV budgets (worker/eviction): the runner's backend also shows the
         # requests that ask their attention weights
         self.eviction = EvictionManager(

@@ -39,12 +39,14 @@ def autotune_dir() -> Path:
     return Path(v) if v else cache_dir() / "autotune"
 
 
-def gemm_mode() -> str:
+def gemm_mode() -> str | None:
     """KVMESH_GEMM: how CPU linear layers pick their GEMM (``kernels.autotune``): ``exact``
-    (default: the fastest measured on this machine among those bit-identical to
-    ``F.linear``, cached under KVMESH_CACHE_DIR), ``auto`` (the fastest, oneDNN included,
-    which rounds differently), ``legacy``, or one of ``linear``, ``mkl``, ``onednn``."""
-    return _str("KVMESH_GEMM", "exact").strip().lower() or "exact"
+    (the fastest measured on this machine among those bit-identical to ``F.linear``, cached
+    under KVMESH_CACHE_DIR), ``auto`` (the fastest, oneDNN included, which rounds
+    differently), ``legacy``, or one of ``linear``, ``mkl``, ``onednn``. Unset (None): the
+    engine runs ``auto`` over float KV caches and ``exact`` over quantized ones
+    (``autotune.engine_mode``)."""
+    return _str("KVMESH_GEMM", "").strip().lower() or None
 
 
 def c_compiler() -> str:

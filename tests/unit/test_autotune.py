@@ -126,12 +126,57 @@ def test_exact_mode_rejects_onednn_by_the_real_check():
     assert timer.calls == 1 and lin.plan[16] in ("linear", "mkl")
 
 
-def test_products_above_256_rows_run_f_linear_untuned():
+def test_products_above_256_rows_exact_runs_f_linear_auto_races_linear_and_onednn():
     timer = FakeTimer("onednn")
     tuner = GemmTuner(None, mode="exact", timer=timer)
     lin = _run(tuner, rows=257)
     assert lin.plan == {512: "linear"} and timer.calls == 0 and tuner.measured == 0
     assert _run(GemmTuner(None, mode="auto", timer=timer), rows=256).plan == {256: "onednn"}
+    # auto tunes prefill-sized products too, MKL packed (made for small M) left out
+    seen = []
+    timer2 = lambda fns, rounds: seen.append(set(fns)) or {n: 1.0 for n in fns}  # noqa: E731
+    auto = GemmTuner(None, mode="auto", timer=timer2)
+    assert _run(auto, rows=2048).plan == {512: "linear"} and auto.measured == 1
+    assert seen == [set(autotune.PREFILL_CANDIDATES)]
+    # one measurement (at 512 rows) stands for every prefill-sized bucket
+    lin = _run(GemmTuner(None, mode="auto", timer=timer), rows=700)
+    assert lin.plan == {512: "onednn"} and lin(torch.randn(1500, lin.weight.shape[1])) is not None
+    assert lin.plan == {512: "onednn"}
+
+
+def test_auto_keeps_f_linear_unless_a_candidate_is_clearly_faster():
+    near = lambda fns, rounds: {n: (0.95 if n != "linear" else 1.0) for n in fns}  # noqa: E731
+    assert _run(GemmTuner(None, mode="auto", timer=near), rows=16).plan == {16: "linear"}
+    far = lambda fns, rounds: {n: (0.8 if n == "onednn" else 1.0) for n in fns}  # noqa: E731
+    assert _run(GemmTuner(None, mode="auto", timer=far), rows=16).plan == {16: "onednn"}
+
+
+def test_engine_mode_is_auto_for_float_caches_exact_for_quantized_unless_set(monkeypatch):
+    monkeypatch.delenv("KVMESH_GEMM", raising=False)
+    assert autotune.engine_mode(quantized_kv=False) == "auto"
+    assert autotune.engine_mode(quantized_kv=True) == "exact"
+    monkeypatch.setenv("KVMESH_GEMM", "Legacy")
+    assert autotune.engine_mode(quantized_kv=False) == autotune.engine_mode(True) == "legacy"
+    monkeypatch.setenv("KVMESH_GEMM", "fastest")
+    with pytest.raises(ValueError, match="unknown GEMM mode 'fastest'"):
+        autotune.default_tuner(autotune.engine_mode(False))
+
+
+def test_engine_sets_its_layers_tuner_by_kv_format(smol_src, monkeypatch):
+    """An fp32-cache engine's projections race oneDNN (auto), an int8-cache engine's keep
+    bit-equality with F.linear (exact): one process, two engines, two tuners."""
+    from kvmesh.worker import LLM
+
+    monkeypatch.delenv("KVMESH_GEMM", raising=False)
+    modes = {}
+    for fmt in ("auto", "int8"):
+        llm = LLM("smollm2-135m-instruct", kv_cache_dtype=fmt, kv_cache_memory="32MiB")
+        model = llm.engine.model
+        tuners = {id(lin.tuner) for lin in model._packed()}
+        assert len(tuners) == 1 and len(model._packed()) == 4 * len(model.model.layers) + 1
+        modes[fmt] = model.head.tuner.mode
+        del llm
+    assert modes == {"auto": "auto", "int8": "exact"}
 
 
 def test_plan_is_kept_per_thread_count():

@@ -200,6 +200,19 @@ class LlamaForCausalLM(nn.Module):
             layer.mlp.fuse()
         self.head = PackedLinear(self.lm_head.weight.data)
 
+    def set_gemm_tuner(self, tuner) -> None:
+        """Every fused projection and the LM head pick their GEMMs with ``tuner`` (a
+        ``kernels.autotune.GemmTuner``; the engine's choice of mode per KV cache format)."""
+        for lin in self._packed():
+            lin.use_tuner(tuner)
+
+    def _packed(self) -> list[PackedLinear]:
+        out = [self.head] if self.head is not None else []
+        for layer in self.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            out += [x for x in (a.qkv, a.o, m.gate_up, m.down) if x is not None]
+        return out
+
     def forward(
         self,
         input_ids: torch.Tensor,  # (T,)
