@@ -154,6 +154,9 @@ class DeepseekForCausalLM(LlamaForCausalLM):
     attention_cls = MLAttention
     rotary_cls = MLARotary
 
+    def _packed(self) -> list:
+        return []  # never fused: its projections stay nn.Linear, no GEMM tuner applies
+
 
 def build_deepseek(
     cfg: ModelConfig, src, dtype: torch.dtype, device: torch.device
