@@ -47,17 +47,19 @@ def _attention(module, query, key, value, attention_mask, scaling, **kw):
     k = key.repeat_interleave(G, 1)
     v = value.repeat_interleave(G, 1)
     Tq, Tk = query.shape[2], key.shape[2]
-    w = torch.matmul(query, k.transpose(2, 3)) * scaling  # (1, Hq, Tq, Tk)
+    w = torch.matmul(query, k.transpose(2, 3)) * scaling  # (B, Hq, Tq, Tk)
+    B, Hq = query.shape[:2]
     qpos = torch.arange(Tk - Tq, Tk)
     allowed = torch.arange(Tk)[None, :] <= qpos[:, None]  # causal (Tq, Tk)
-    allowed = allowed[None].expand(query.shape[1], Tq, Tk).clone()
+    allowed = allowed[None, None].expand(B, Hq, Tq, Tk).clone()
     P = _STATE["prompt_len"]
     layer = module.layer_idx
     if layer in _KEEP:  # queries after the prompt see only the kept prompt slots
-        keep = _KEEP[layer].repeat_interleave(G, 0)  # (Hq, P)
+        keep = _KEEP[layer]  # (Hkv, P), or (B, Hkv, P): one kept set per batch row
+        keep = (keep if keep.dim() == 3 else keep[None]).repeat_interleave(G, 1)  # (B|1, Hq, P)
         after = qpos >= P
-        allowed[:, after, :P] &= keep[:, None, :]
-    w = w.masked_fill(~allowed[None], float("-inf")).softmax(-1)
+        allowed[:, :, after, :P] &= keep[:, :, None, :]
+    w = w.masked_fill(~allowed, float("-inf")).softmax(-1)
     if _STATE["record"]:  # the last REC_ROWS queries' rows, and every query's column sums
         _REC[layer] = (w[0, :, -REC_ROWS:].detach().clone(), w[0].sum(1).detach())
     return torch.matmul(w, v).transpose(1, 2).contiguous(), None
@@ -115,6 +117,34 @@ def run_with_keep(model, cache, P: int, keep: dict[int, torch.Tensor], cont: lis
     return out.logits[0]
 
 
+def greedy_batched(model, cache, P, keeps: list[dict], first_logits, n: int) -> list[list[int]]:
+    """greedy_with_keep for several kept sets at once: one batch row per set, the prompt's
+    cache copied to every row."""
+    _crop(cache, P)
+    B = len(keeps)
+    for lay in cache.layers:
+        lay.keys = lay.keys.expand(B, -1, -1, -1).contiguous()
+        lay.values = lay.values.expand(B, -1, -1, -1).contiguous()
+    _KEEP.clear()
+    for layer in keeps[0]:
+        _KEEP[layer] = torch.stack([kp[layer] for kp in keeps])
+    _STATE["prompt_len"] = P
+    first = int(first_logits.argmax())
+    toks = [[first] for _ in range(B)]
+    with torch.no_grad():
+        for i in range(n - 1):
+            out = model(
+                torch.tensor([[t[-1]] for t in toks]),
+                past_key_values=cache,
+                position_ids=torch.full((B, 1), P + i),
+                use_cache=True,
+            )
+            for b, t in enumerate(out.logits[:, -1].argmax(-1).tolist()):
+                toks[b].append(t)
+    _KEEP.clear()
+    return toks
+
+
 def greedy_with_keep(model, cache, P, keep, first_logits, n: int) -> list[int]:
     _crop(cache, P)
     _KEEP.clear()
@@ -168,20 +198,21 @@ def topk_lowtie(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.tensor(sorted(order[:k]), dtype=torch.long)
 
 
-def snapkv_keep(rec, P, budget, window=32, kernel=5, pool="avg", vote="group", Hkv=3):
+def snapkv_keep(rec, P, budget, window=32, kernel=5, pool="avg", vote="group", Hkv=3, recent=0):
     """rec: layer -> (Hq, P, P). The kept prompt slots per layer: (Hkv, P) bool.
 
     vote: ``group`` sums the window's weights over each KV head's query heads; ``head``
     lets each query head pick its own top slots, merged round-robin within the group;
     ``layer`` sums over every head (one set per layer)."""
     keep = {}
-    W = min(window, budget, P)
+    Wq = min(window, budget, P)  # the voting queries
+    W = min(max(window, int(recent * budget) if recent < 1 else recent), budget, P)  # kept tail
     n_pre = P - W
     n_top = budget - W
     for layer, (a, _) in rec.items():
         Hq = a.shape[0]
         G = Hq // Hkv
-        per_q = a[:, a.shape[1] - W :, :n_pre].sum(
+        per_q = a[:, a.shape[1] - Wq :, :n_pre].sum(
             1
         )  # (Hq, n_pre): the window's votes per query head
         m = torch.zeros(Hkv, P, dtype=torch.bool)
@@ -285,13 +316,14 @@ def variants():
 
 
 def vname(v):
-    return f"w{v['window']}_k{v['kernel']}_{v['pool']}_{v['vote']}"
+    r = f"_r{v['recent']:g}" if v.get("recent") else ""
+    return f"w{v['window']}_k{v['kernel']}_{v['pool']}_{v['vote']}{r}"
 
 
 def explore(model, tok, args) -> dict:
     ids = text_ids(tok, args.text)
     res = {"text": args.text, "needle": {}, "ppl": {}}
-    vs = variants()
+    vs = json.loads(args.variants) if args.variants else variants()
     # perplexity windows
     C, N = args.context, args.continuation
     nll = {}
@@ -342,8 +374,9 @@ def explore(model, tok, args) -> dict:
             rows[f"h2o@{frac:g}"] = h2o_keep(rec, P, b, Hkv=H)
             rows[f"streaming@{frac:g}"] = streaming_keep_ref(rec, P, b, Hkv=H)
             rows[f"random@{frac:g}"] = random_keep_ref(rec, P, b, Hkv=H)
-        for name, keep in rows.items():
-            toks = greedy_with_keep(model, cache, P, keep, logits[-1], 8)
+        names = list(rows)
+        outs = greedy_batched(model, cache, P, [rows[k] for k in names], logits[-1], 8)
+        for name, toks in zip(names, outs):
             hits[name] = hits.get(name, 0) + (code in tok.decode(toks))
         log(f"needle {ci}: {time.monotonic() - t0:.0f}s " + json.dumps(hits))
     if cases:
@@ -416,6 +449,7 @@ def main():
     ap.add_argument("--offset", type=int, default=5000, help="first token of the ppl windows")
     ap.add_argument("--needle-seed", type=int, default=1)
     ap.add_argument("--needle-shard", default="0/1")
+    ap.add_argument("--variants", help="JSON list of snapkv_keep keyword dicts")
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.125, 0.25, 0.5])
     args = ap.parse_args()
     torch.manual_seed(0)

@@ -117,17 +117,32 @@ class SnapKV(EvictionPolicy):
     """After prefill, the prompt's last ``window`` queries vote (pooled over ``kernel``
     neighbours, a GQA group voting together) for the prompt slots each KV head keeps; the
     window itself is kept. In decode, the slots past the budget go lowest vote first, the
-    last ``window`` slots kept; generated tokens carry no vote."""
+    last ``window`` slots kept; generated tokens carry no vote.
+
+    ``pool``: how votes are smoothed over ``kernel`` neighbours, ``avg`` (the paper) or
+    ``max``. ``recent``: the share of the budget kept as the most recent prompt tokens
+    (at least the window; 0: just the window, as in the paper); only the older slots are
+    chosen by vote."""
 
     name = "snapkv"
 
-    def __init__(self, budget: int, window: int = 32, kernel: int = 5, pool: str = "avg"):
+    def __init__(
+        self,
+        budget: int,
+        window: int = 32,
+        kernel: int = 5,
+        pool: str = "avg",
+        recent: float = 0.0,
+    ):
         super().__init__(budget)
         if pool not in SNAPKV_POOLS:
             raise ValueError(f"snapkv pool must be one of {SNAPKV_POOLS}, got {pool!r}")
+        if not 0.0 <= recent <= 1.0:
+            raise ValueError(f"snapkv recent must be a share of the budget in [0, 1], got {recent}")
         self.window = min(window, budget)
         self.kernel = kernel
         self.pool = pool
+        self.tail = max(self.window, min(budget, int(budget * recent)))  # kept, not voted on
 
     def observe_rows(self, positions, num_prompt_tokens):
         lo = max(positions.start, num_prompt_tokens - self.window)
@@ -136,18 +151,18 @@ class SnapKV(EvictionPolicy):
 
     def select(self, scores, after_prefill):
         if after_prefill:
-            votes = snapkv_votes(scores, self.window, self.kernel, self.pool)
-            # the window's slots: never chosen from, always kept
+            votes = snapkv_votes(scores, self.tail, self.kernel, self.pool)
+            # the tail's slots (the window and any recent share): never chosen from, kept
             pad = scores.new_full((*votes.shape[:-1], scores.shape[-1] - votes.shape[-1]), 0.0)
-            return top_and_recent(torch.cat([votes, pad], -1), self.budget, self.window)
-        return top_and_recent(scores, self.budget, self.window)
+            return top_and_recent(torch.cat([votes, pad], -1), self.budget, self.tail)
+        return top_and_recent(scores, self.budget, self.tail)
 
     def kept_scores(self, scores, keep, after_prefill):
         if not after_prefill:
             return scores.gather(-1, keep)
-        votes = snapkv_votes(scores, self.window, self.kernel, self.pool)
+        votes = snapkv_votes(scores, self.tail, self.kernel, self.pool)
         n_pre = votes.shape[-1]
-        # the window's own slots rank with the best votes in decode
+        # the tail's own slots rank with the best votes in decode
         top = votes.amax(-1, keepdim=True) if n_pre else scores.new_zeros((*votes.shape[:-1], 1))
         full = torch.cat([votes, top.expand(*votes.shape[:-1], scores.shape[-1] - n_pre)], -1)
         return full.gather(-1, keep)
