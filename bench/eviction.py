@@ -2,20 +2,25 @@
 what collecting attention weights costs.
 
 Held-out text: the GNU GPL v3 as Debian ships it (``/usr/share/common-licenses/GPL-3``, in
-``base-files``); the policies' defaults come from their papers and were not tuned here, and
-the engine tests use tinyshakespeare.
+``base-files``). SnapKV variants are chosen on tinyshakespeare (``eviction_reference.py
+explore``); this text only reports them.
 
 * ``ppl``: perplexity of a ``--continuation``-token continuation after a ``--context``-token
   context (default 256 after 1,536), for each policy and the ``random`` baseline at each
   ``--fractions`` of the context (default 12.5%, 25%, 50%), against the full cache in the
-  same run. The budget bounds the whole cache: the continuation's own tokens are evicted
-  too once past ``budget + block_size``, exactly as in serving (a stricter setting than
-  compressing the context alone). The continuation is teacher-forced one token a step
-  through the engine's own step path (runner, then ``EvictionManager.after_step``).
+  same run. ``--ppl-mode context`` (default, the issue's setting and SnapKV's): the
+  context's cache is compressed to the budget once, after the prompt, and the
+  continuation's own K/V are kept (it is scored in teacher-forced chunks). ``whole``: the
+  budget bounds the whole cache, the continuation's tokens evicted too once past
+  ``budget + block_size``, exactly as in serving (stricter; one token a step through the
+  engine's own step path: runner, then ``EvictionManager.after_step``).
 * ``needle``: ``--needles`` facts ("The pass code of NAME is NUMBER.") at depths spread
   over a ``--needle-context``-token filler, the question at the end; greedy answer, right
   when the number appears in the first 8 tokens. Full cache and each policy at
-  ``--needle-fractions`` (default 10%, 25%).
+  ``--needle-fractions`` (default 10%, 25%), every configuration on one needle before the
+  next (so the prefix cache saves the full cache's prefill for the policies that observe
+  only a window); accuracy per depth too. ``--needle-shard i/n`` splits a run over
+  processes (the JSON carries each needle's hits to merge).
 * ``throughput``: ``--tput-requests`` prompts of ``--tput-prompt`` tokens (default 32 x
   2,048) with ``--tput-new`` output tokens, in a ``--pool`` pool (default 1 GiB): full
   cache against SnapKV at 25%, output tokens/s and the ratio.

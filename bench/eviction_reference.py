@@ -388,6 +388,17 @@ def explore(model, tok, args) -> dict:
 # --- check
 
 
+def snapkv_defaults() -> dict:
+    """kvmesh's SnapKV defaults (what ``kv_policy="snapkv"`` runs), read off its signature."""
+    import inspect
+
+    from kvmesh.worker.eviction.policies import SnapKV
+
+    sig = inspect.signature(SnapKV.__init__).parameters
+    out = {k: sig[k].default for k in ("window", "kernel", "pool", "recent")}
+    return {**out, "vote": "group"}
+
+
 def check(model, tok, args) -> dict:
     from kvmesh.worker import LLM, SamplingParams
 
@@ -416,9 +427,7 @@ def check(model, tok, args) -> dict:
         same = 0
         for (prompt, code, _), eo in zip(cases, eng_out):
             cache, logits, rec = prefill(model, prompt)
-            keep = snapkv_keep(
-                rec, len(prompt), b, Hkv=H, window=32, kernel=5, pool="avg", vote="group"
-            )
+            keep = snapkv_keep(rec, len(prompt), b, Hkv=H, **snapkv_defaults())
             toks = greedy_with_keep(model, cache, len(prompt), keep, logits[-1], 8)
             same += toks == eo.token_ids
             out["needle"].append(
