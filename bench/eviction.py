@@ -2,20 +2,25 @@
 what collecting attention weights costs.
 
 Held-out text: the GNU GPL v3 as Debian ships it (``/usr/share/common-licenses/GPL-3``, in
-``base-files``); the policies' defaults come from their papers and were not tuned here, and
-the engine tests use tinyshakespeare.
+``base-files``). SnapKV variants are chosen on tinyshakespeare (``eviction_reference.py
+explore``); this text only reports them.
 
 * ``ppl``: perplexity of a ``--continuation``-token continuation after a ``--context``-token
   context (default 256 after 1,536), for each policy and the ``random`` baseline at each
   ``--fractions`` of the context (default 12.5%, 25%, 50%), against the full cache in the
-  same run. The budget bounds the whole cache: the continuation's own tokens are evicted
-  too once past ``budget + block_size``, exactly as in serving (a stricter setting than
-  compressing the context alone). The continuation is teacher-forced one token a step
-  through the engine's own step path (runner, then ``EvictionManager.after_step``).
+  same run. ``--ppl-mode context`` (default, the issue's setting and SnapKV's): the
+  context's cache is compressed to the budget once, after the prompt, and the
+  continuation's own K/V are kept (it is scored in teacher-forced chunks). ``whole``: the
+  budget bounds the whole cache, the continuation's tokens evicted too once past
+  ``budget + block_size``, exactly as in serving (stricter; one token a step through the
+  engine's own step path: runner, then ``EvictionManager.after_step``).
 * ``needle``: ``--needles`` facts ("The pass code of NAME is NUMBER.") at depths spread
   over a ``--needle-context``-token filler, the question at the end; greedy answer, right
   when the number appears in the first 8 tokens. Full cache and each policy at
-  ``--needle-fractions`` (default 10%, 25%).
+  ``--needle-fractions`` (default 10%, 25%), every configuration on one needle before the
+  next (so the prefix cache saves the full cache's prefill for the policies that observe
+  only a window); accuracy per depth too. ``--needle-shard i/n`` splits a run over
+  processes (the JSON carries each needle's hits to merge).
 * ``throughput``: ``--tput-requests`` prompts of ``--tput-prompt`` tokens (default 32 x
   2,048) with ``--tput-new`` output tokens, in a ``--pool`` pool (default 1 GiB): full
   cache against SnapKV at 25%, output tokens/s and the ratio.
@@ -50,8 +55,14 @@ def log(*a) -> None:
     print(*a, file=sys.stderr, flush=True)
 
 
-def continuation_nll(llm: LLM, ctx: list[int], cont: list[int], budget, policy) -> float:
-    """Mean NLL (nats) of ``cont`` after ``ctx``, the cache under ``budget`` by ``policy``."""
+def continuation_nll(llm: LLM, ctx: list[int], cont: list[int], budget, policy, mode) -> float:
+    """Mean NLL (nats) of ``cont`` after ``ctx``, the cache under ``budget`` by ``policy``.
+
+    ``mode="context"``: the context's cache is compressed to the budget once, after the
+    prompt (the issue's and SnapKV's setting); the continuation's own K/V are then all kept
+    and it is scored in one teacher-forced step. ``mode="whole"``: the budget bounds the
+    whole cache, continuation included, as in serving (one token a step, re-evicted past
+    ``budget + block_size``)."""
     eng = llm.engine
     params = SamplingParams(max_tokens=1, kv_budget=budget, kv_policy=policy if budget else None)
     req = eng.make_request(ctx, params)
@@ -64,6 +75,23 @@ def continuation_nll(llm: LLM, ctx: list[int], cont: list[int], budget, policy) 
             _, logits = eng.runner.execute([(req, n)])
             req.num_computed_tokens += n
             eng.eviction.after_step([(req, n)])
+        if mode == "context":
+            if budget:  # compressed once: no eviction of the continuation's own tokens
+                req.kv_budget = 10**9
+            first = logits[-1]
+            for tok in cont:
+                req.append_token(tok)
+            done = 0
+            lps = [torch.log_softmax(first.float(), -1)[cont[0]].item()]
+            while done < len(cont) - 1:  # the last token's logits predict nothing scored
+                n = min(chunk, len(cont) - 1 - done)
+                assert eng.kv.allocate_slots(req, n) is not None, "pool too small"
+                _, lg = eng.runner.execute([(req, n)], all_logits=True)
+                req.num_computed_tokens += n
+                tgt = torch.tensor(cont[done + 1 : done + 1 + n])
+                lps += torch.log_softmax(lg.float(), -1)[torch.arange(n), tgt].tolist()
+                done += n
+            return -sum(lps) / len(cont)
         for tok in cont:
             nll -= torch.log_softmax(logits[-1].float(), -1)[tok].item()
             req.append_token(tok)
@@ -83,7 +111,9 @@ def bench_ppl(llm: LLM, ids: list[int], args) -> dict:
 
     def ppl(budget, policy) -> float:
         t0 = time.monotonic()
-        nll = sum(continuation_nll(llm, w[:C], w[C:], budget, policy) for w in windows)
+        nll = sum(
+            continuation_nll(llm, w[:C], w[C:], budget, policy, args.ppl_mode) for w in windows
+        )
         val = math.exp(nll / len(windows))
         log(f"ppl {policy or 'full'} budget={budget}: {val:.3f} ({time.monotonic() - t0:.0f}s)")
         return val
@@ -101,6 +131,7 @@ def bench_ppl(llm: LLM, ids: list[int], args) -> dict:
     return {
         "context": C,
         "continuation": N,
+        "mode": args.ppl_mode,
         "windows": len(windows),
         "full_ppl": round(full, 4),
         "rows": rows,
@@ -110,12 +141,13 @@ def bench_ppl(llm: LLM, ids: list[int], args) -> dict:
 NAMES = ["Alice", "Boris", "Chen", "Dmitri", "Elena", "Farid", "Greta", "Hiro", "Ines", "Jonas"]
 
 
-def bench_needle(llm: LLM, ids: list[int], args) -> dict:
-    tok = llm.tokenizer
-    rng = random.Random(0)
-    T = args.needle_context
+def needle_cases(tok, ids: list[int], n: int, T: int, seed: int = 0) -> list:
+    """``n`` prompts of about ``T`` tokens: a fact ("The pass code of NAME is NUMBER.") at a
+    depth of 5-95% of a filler cut from ``ids``, the question at the end. Returns
+    (prompt ids, code, depth) per needle."""
+    rng = random.Random(seed)
     cases = []
-    for i in range(args.needles):
+    for i in range(n):
         name = f"{NAMES[i % len(NAMES)]} {chr(65 + i // len(NAMES) % 26)}."
         code = str(rng.randrange(10_000, 100_000))
         depth = (i % 5) / 4 * 0.9 + 0.05  # 5%, 27.5%, 50%, 72.5%, 95%
@@ -128,27 +160,60 @@ def bench_needle(llm: LLM, ids: list[int], args) -> dict:
         filler = ids[start : start + n_fill]
         at = int(depth * n_fill)
         cases.append((filler[:at] + needle + filler[at:] + question, code, depth))
+    return cases
 
-    def accuracy(budget, policy) -> dict:
-        params = SamplingParams(
-            temperature=0, max_tokens=8, kv_budget=budget, kv_policy=policy if budget else None
-        )
-        t0 = time.monotonic()
-        outs = llm.generate([c for c, _, _ in cases], params)
-        hits = [code in o.text for o, (_, code, _) in zip(outs, cases)]
-        acc = sum(hits) / len(hits)
-        log(f"needle {policy or 'full'} budget={budget}: {acc:.2f} ({time.monotonic() - t0:.0f}s)")
-        return {"budget": budget, "accuracy": round(acc, 4)}
 
-    full = accuracy(None, None)
-    rows = {}
+def bench_needle(llm: LLM, ids: list[int], args) -> dict:
+    """Needle accuracy: every configuration (full cache, each policy at each budget) runs
+    on one needle before the next needle, so the full cache's pages are still in the prefix
+    cache: a policy recomputes only the queries it observes (SnapKV its window, H2O the
+    whole prompt; see ``Request.max_cached_pages``)."""
+    T = args.needle_context
+    cases = needle_cases(llm.tokenizer, ids, args.needles, T)
+    shard, shards = (int(x) for x in args.needle_shard.split("/"))
+    cases = cases[shard::shards]
+    configs = [("full", None, None)]
     for frac in args.needle_fractions:
         budget = max(8, int(T * frac))
-        for policy in POLICIES:
-            r = accuracy(budget, policy)
-            r["vs_full"] = round(r["accuracy"] / full["accuracy"], 4) if full["accuracy"] else None
-            rows[f"{policy}@{frac:g}"] = r
-    return {"context": T, "needles": len(cases), "full_accuracy": full["accuracy"], "rows": rows}
+        configs += [(f"{policy}@{frac:g}", budget, policy) for policy in POLICIES]
+    hits = {label: [] for label, _, _ in configs}
+    t0 = time.monotonic()
+    for i, (prompt, code, _) in enumerate(cases):
+        for label, budget, policy in configs:
+            params = SamplingParams(
+                temperature=0, max_tokens=8, kv_budget=budget, kv_policy=policy if budget else None
+            )
+            hits[label].append(code in llm.generate([prompt], params)[0].text)
+        acc = {label: sum(h) for label, h in hits.items()}
+        log(f"needle {i + 1}/{len(cases)} ({time.monotonic() - t0:.0f}s) hits so far: {acc}")
+    depths = sorted({d for _, _, d in cases})
+
+    def row(label: str, budget) -> dict:
+        h = hits[label]
+        by_depth = {
+            f"{d:g}": round(
+                sum(x for x, c in zip(h, cases) if c[2] == d) / sum(c[2] == d for c in cases), 4
+            )
+            for d in depths
+        }
+        return {"budget": budget, "accuracy": round(sum(h) / len(h), 4), "by_depth": by_depth}
+
+    full = row("full", None)
+    rows = {}
+    for label, budget, _ in configs[1:]:
+        r = row(label, budget)
+        r["vs_full"] = round(r["accuracy"] / full["accuracy"], 4) if full["accuracy"] else None
+        rows[label] = r
+    return {
+        "context": T,
+        "needles": len(cases),
+        "full_accuracy": full["accuracy"],
+        "full_by_depth": full["by_depth"],
+        "rows": rows,
+        "shard": args.needle_shard,
+        "hits": {label: [int(x) for x in h] for label, h in hits.items()},
+        "depth": [c[2] for c in cases],
+    }
 
 
 def bench_throughput(args, ids: list[int]) -> dict:
@@ -218,9 +283,15 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1536)
     ap.add_argument("--continuation", type=int, default=256)
     ap.add_argument("--windows", type=int, default=1)
+    ap.add_argument("--ppl-mode", choices=("context", "whole"), default="context")
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.125, 0.25, 0.5])
     ap.add_argument("--needles", type=int, default=50)
     ap.add_argument("--needle-context", type=int, default=1024)
+    ap.add_argument(
+        "--needle-shard",
+        default="0/1",
+        help="i/n: run needles i, i+n, ... only (to split a run over processes)",
+    )
     ap.add_argument("--needle-fractions", type=float, nargs="+", default=[0.10, 0.25])
     ap.add_argument("--tput-requests", type=int, default=32)
     ap.add_argument("--tput-prompt", type=int, default=2048)

@@ -49,6 +49,11 @@ def ref_avg_pool(x: list[float], kernel: int) -> list[float]:
     ]
 
 
+def ref_max_pool(x: list[float], kernel: int) -> list[float]:
+    r = kernel // 2
+    return [max(x[max(0, i - r) : min(len(x), i + r + 1)]) for i in range(len(x))]
+
+
 def observe_all(scores: torch.Tensor, q_layers, k_layers, qpos0: int, bs: int = 4) -> None:
     """Run EvictionManager.observe over float-format caches holding k_layers."""
     N = k_layers[0].shape[0]
@@ -82,22 +87,28 @@ def test_observe_accumulates_the_reference_attention(seed):
         torch.testing.assert_close(scores[layer].double(), ref, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_snapkv_keeps_the_references_set(seed):
+@pytest.mark.parametrize(
+    "seed,kernel,pool,recent",
+    [(0, 5, "avg", 0), (1, 5, "avg", 0), (2, 7, "avg", 0), (3, 7, "max", 0), (4, 13, "max", 0.5)],
+)
+def test_snapkv_keeps_the_references_set(seed, kernel, pool, recent):
     g = torch.Generator().manual_seed(seed)
-    N, window, budget, kernel = 40, 6, 17, 5
+    N, window, budget = 40, 6, 17
     ks = [torch.randn(N, HKV, D, generator=g) for _ in range(L)]
     qs = [torch.randn(window, HKV * G, D, generator=g) for _ in range(L)]
     scores = torch.zeros(L, HKV, N)
     observe_all(scores, qs, ks, N - window)
-    keep = SnapKV(budget, window=window, kernel=kernel).select(scores, after_prefill=True)
+    policy = SnapKV(budget, window=window, kernel=kernel, pool=pool, recent=recent)
+    tail = max(window, int(budget * recent))  # kept as the most recent, not voted on
+    keep = policy.select(scores, after_prefill=True)
     assert keep.shape == (L, HKV, budget)
     for layer in range(L):
         votes = ref_attention(qs[layer], ks[layer], list(range(N - window, N)))
         for h in range(HKV):
-            pooled = ref_avg_pool(votes[h, : N - window].tolist(), kernel)
-            top = sorted(range(N - window), key=lambda i: (-pooled[i], i))[: budget - window]
-            ref = sorted(top + list(range(N - window, N)))
+            pool_ref = ref_avg_pool if pool == "avg" else ref_max_pool
+            pooled = pool_ref(votes[h, : N - tail].tolist(), kernel)
+            top = sorted(range(N - tail), key=lambda i: (-pooled[i], i))[: budget - tail]
+            ref = sorted(top + list(range(N - tail, N)))
             assert keep[layer, h].tolist() == ref, (layer, h)
 
 

@@ -22,6 +22,7 @@ POLICIES = ("snapkv", "h2o", "streaming", "random")  # the ones defined in this 
 # every name make_policy builds (worker/eviction/scissorhands.py adds its own); the requests'
 # list is kvmesh.worker.sampling_params.KV_POLICIES, which a test holds equal to this one
 MAKE_POLICY_NAMES = (*POLICIES, "scissorhands")
+SNAPKV_POOLS = ("avg", "max")
 
 
 def top_and_recent(scores: torch.Tensor, budget: int, recent: int) -> torch.Tensor:
@@ -42,20 +43,27 @@ def top_and_recent(scores: torch.Tensor, budget: int, recent: int) -> torch.Tens
     return torch.sort(torch.cat([top, tail], dim=-1), dim=-1).values
 
 
-def snapkv_votes(window_attn: torch.Tensor, window: int, kernel: int) -> torch.Tensor:
+def snapkv_votes(window_attn: torch.Tensor, window: int, kernel: int, pool: str = "avg"):
     """SnapKV's votes: ``window_attn`` (L, Hkv, N) is the attention the prompt's last
     ``window`` queries paid each slot, summed over the queries and over each KV head's
-    group of query heads. The votes of the slots before the window are smoothed by an
-    average pool of width ``kernel`` (stride 1, same length); the window's own slots are
-    kept anyway. Returns (L, Hkv, N - window)."""
+    group of query heads. The votes of the slots before the window are smoothed over
+    ``kernel`` neighbours (stride 1, same length; at the edges only the slots that exist):
+    their average (``pool="avg"``) or their maximum (``"max"``: a voted slot lifts its
+    neighbours as high as itself). The window's own slots are kept anyway. Returns
+    (L, Hkv, N - window)."""
+    if pool not in SNAPKV_POOLS:
+        raise ValueError(f"snapkv pool must be one of {SNAPKV_POOLS}, got {pool!r}")
     n = window_attn.shape[-1]
     pre = window_attn[..., : max(n - window, 0)]
     if pre.shape[-1] == 0 or kernel <= 1:
         return pre.clone()
     shape = pre.shape
     flat = pre.reshape(-1, 1, shape[-1])
-    pooled = F.avg_pool1d(flat, kernel, stride=1, padding=kernel // 2, count_include_pad=False)
-    return pooled.reshape(shape)
+    if pool == "avg":
+        pooled = F.avg_pool1d(flat, kernel, stride=1, padding=kernel // 2, count_include_pad=False)
+    else:
+        pooled = F.max_pool1d(flat, kernel, stride=1, padding=kernel // 2)
+    return pooled[..., : shape[-1]].reshape(shape)
 
 
 def streaming_keep(n: int, budget: int, num_sinks: int) -> torch.Tensor:
@@ -112,14 +120,34 @@ class SnapKV(EvictionPolicy):
     """After prefill, the prompt's last ``window`` queries vote (pooled over ``kernel``
     neighbours, a GQA group voting together) for the prompt slots each KV head keeps; the
     window itself is kept. In decode, the slots past the budget go lowest vote first, the
-    last ``window`` slots kept; generated tokens carry no vote."""
+    last ``window`` slots kept; generated tokens carry no vote.
+
+    ``pool``: how votes are smoothed over ``kernel`` neighbours, ``avg`` (the paper, with
+    kernel 5) or ``max``. The defaults (kernel 13, max) were chosen by measurement on
+    SmolLM2 (docs/eviction.md): a voted token keeps its neighbours, so a fact that spans
+    several tokens (a number, digit by digit) is kept whole. ``recent``: the share of the
+    budget kept as the most recent prompt tokens (at least the window; 0: just the window,
+    as in the paper); only the older slots are chosen by vote."""
 
     name = "snapkv"
 
-    def __init__(self, budget: int, window: int = 32, kernel: int = 5):
+    def __init__(
+        self,
+        budget: int,
+        window: int = 32,
+        kernel: int = 13,
+        pool: str = "max",
+        recent: float = 0.0,
+    ):
         super().__init__(budget)
+        if pool not in SNAPKV_POOLS:
+            raise ValueError(f"snapkv pool must be one of {SNAPKV_POOLS}, got {pool!r}")
+        if not 0.0 <= recent <= 1.0:
+            raise ValueError(f"snapkv recent must be a share of the budget in [0, 1], got {recent}")
         self.window = min(window, budget)
         self.kernel = kernel
+        self.pool = pool
+        self.tail = max(self.window, min(budget, int(budget * recent)))  # kept, not voted on
 
     def observe_rows(self, positions, num_prompt_tokens):
         lo = max(positions.start, num_prompt_tokens - self.window)
@@ -128,18 +156,18 @@ class SnapKV(EvictionPolicy):
 
     def select(self, scores, after_prefill):
         if after_prefill:
-            votes = snapkv_votes(scores, self.window, self.kernel)
-            # the window's slots: never chosen from, always kept
+            votes = snapkv_votes(scores, self.tail, self.kernel, self.pool)
+            # the tail's slots (the window and any recent share): never chosen from, kept
             pad = scores.new_full((*votes.shape[:-1], scores.shape[-1] - votes.shape[-1]), 0.0)
-            return top_and_recent(torch.cat([votes, pad], -1), self.budget, self.window)
-        return top_and_recent(scores, self.budget, self.window)
+            return top_and_recent(torch.cat([votes, pad], -1), self.budget, self.tail)
+        return top_and_recent(scores, self.budget, self.tail)
 
     def kept_scores(self, scores, keep, after_prefill):
         if not after_prefill:
             return scores.gather(-1, keep)
-        votes = snapkv_votes(scores, self.window, self.kernel)
+        votes = snapkv_votes(scores, self.tail, self.kernel, self.pool)
         n_pre = votes.shape[-1]
-        # the window's own slots rank with the best votes in decode
+        # the tail's own slots rank with the best votes in decode
         top = votes.amax(-1, keepdim=True) if n_pre else scores.new_zeros((*votes.shape[:-1], 1))
         full = torch.cat([votes, top.expand(*votes.shape[:-1], scores.shape[-1] - n_pre)], -1)
         return full.gather(-1, keep)

@@ -1,0 +1,476 @@
+"""An independent SnapKV / H2O / StreamingLLM reference in transformers, to check kvmesh's
+compacted engine against and to try selection variants fast.
+
+Nothing here uses kvmesh's eviction code. transformers runs the prompt once with an eager
+attention function of our own that records, per layer, each query head's attention rows;
+the kept set is computed from them here (loop-simple code), and the continuation then runs
+with a per-KV-head mask: a query after the prompt sees only the kept prompt slots (and the
+tokens after the prompt). The prompt itself is computed with full attention, as in the
+engine (the first answer token comes from the full prompt).
+
+* ``check``: on the needle prompts and one perplexity window, kvmesh (``kv_policy=snapkv``)
+  against this reference with the same parameters: the greedy answer tokens, the perplexity.
+* ``explore``: SnapKV variants (window, pooling kernel, avg or max pooling, how a GQA group
+  votes) on the tuning text, needle accuracy and perplexity per variant.
+
+    python eviction_reference.py check --needles 10 --needle-context 1024
+    python eviction_reference.py explore --text tinyshakespeare
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from eviction import GPL, needle_cases
+from transformers import AttentionInterface, AutoModelForCausalLM
+
+SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+
+# --- the attention function: records the prompt's rows, masks the continuation per head
+
+_REC: dict[int, torch.Tensor] = {}  # layer -> (Hq, T, T) attention of the recorded pass
+_KEEP: dict[int, torch.Tensor] = {}  # layer -> (Hkv, P) bool: prompt slots kept per KV head
+_STATE = {"record": False, "prompt_len": 0}
+REC_ROWS = 64  # the largest observation window tried
+
+
+def _attention(module, query, key, value, attention_mask, scaling, **kw):
+    # query (1, Hq, Tq, D), key/value (1, Hkv, Tk, D); the Tq queries are the last Tq keys
+    G = query.shape[1] // key.shape[1]
+    k = key.repeat_interleave(G, 1)
+    v = value.repeat_interleave(G, 1)
+    Tq, Tk = query.shape[2], key.shape[2]
+    w = torch.matmul(query, k.transpose(2, 3)) * scaling  # (B, Hq, Tq, Tk)
+    B, Hq = query.shape[:2]
+    qpos = torch.arange(Tk - Tq, Tk)
+    allowed = torch.arange(Tk)[None, :] <= qpos[:, None]  # causal (Tq, Tk)
+    allowed = allowed[None, None].expand(B, Hq, Tq, Tk).clone()
+    P = _STATE["prompt_len"]
+    layer = module.layer_idx
+    if layer in _KEEP:  # queries after the prompt see only the kept prompt slots
+        keep = _KEEP[layer]  # (Hkv, P), or (B, Hkv, P): one kept set per batch row
+        keep = (keep if keep.dim() == 3 else keep[None]).repeat_interleave(G, 1)  # (B|1, Hq, P)
+        after = qpos >= P
+        allowed[:, :, after, :P] &= keep[:, :, None, :]
+    w = w.masked_fill(~allowed, float("-inf")).softmax(-1)
+    if _STATE["record"]:  # the last REC_ROWS queries' rows, and every query's column sums
+        _REC[layer] = (w[0, :, -REC_ROWS:].detach().clone(), w[0].sum(1).detach())
+    return torch.matmul(w, v).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register("evref", _attention)
+
+
+def load_model():
+    from kvmesh.worker.models.loader import resolve_model
+
+    src = resolve_model("smollm2-135m-instruct")
+    model = AutoModelForCausalLM.from_pretrained(
+        str(src.path.parent), gguf_file=src.path.name, dtype=torch.float32
+    ).eval()
+    model.set_attn_implementation("evref")
+    return model
+
+
+def prefill(model, ids: list[int]):
+    """Full-attention pass over the prompt, recording every layer's attention. Returns the
+    cache, the last logits, and the records (layer -> (Hq, P, P))."""
+    _KEEP.clear()
+    _REC.clear()
+    _STATE.update(record=True, prompt_len=len(ids))
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), use_cache=True)
+    _STATE["record"] = False
+    rec = dict(_REC)
+    _REC.clear()
+    return out.past_key_values, out.logits[0], rec
+
+
+def _crop(cache, P: int) -> None:
+    extra = cache.get_seq_length() - P
+    if extra > 0:
+        cache.crop(-extra)
+
+
+def run_with_keep(model, cache, P: int, keep: dict[int, torch.Tensor], cont: list[int]):
+    """The tokens ``cont`` after the prompt (cache cropped back to P), kept slots only.
+    Returns their logits (len(cont), V)."""
+    _crop(cache, P)
+    _KEEP.clear()
+    _KEEP.update(keep)
+    _STATE["prompt_len"] = P
+    with torch.no_grad():
+        out = model(
+            torch.tensor([cont]),
+            past_key_values=cache,
+            position_ids=torch.arange(P, P + len(cont))[None],
+            use_cache=True,
+        )
+    _KEEP.clear()
+    return out.logits[0]
+
+
+def greedy_batched(model, cache, P, keeps: list[dict], first_logits, n: int) -> list[list[int]]:
+    """greedy_with_keep for several kept sets at once: one batch row per set, the prompt's
+    cache copied to every row."""
+    _crop(cache, P)
+    B = len(keeps)
+    for lay in cache.layers:
+        lay.keys = lay.keys.expand(B, -1, -1, -1).contiguous()
+        lay.values = lay.values.expand(B, -1, -1, -1).contiguous()
+    _KEEP.clear()
+    for layer in keeps[0]:
+        _KEEP[layer] = torch.stack([kp[layer] for kp in keeps])
+    _STATE["prompt_len"] = P
+    first = int(first_logits.argmax())
+    toks = [[first] for _ in range(B)]
+    with torch.no_grad():
+        for i in range(n - 1):
+            out = model(
+                torch.tensor([[t[-1]] for t in toks]),
+                past_key_values=cache,
+                position_ids=torch.full((B, 1), P + i),
+                use_cache=True,
+            )
+            for b, t in enumerate(out.logits[:, -1].argmax(-1).tolist()):
+                toks[b].append(t)
+    _KEEP.clear()
+    return toks
+
+
+def greedy_with_keep(model, cache, P, keep, first_logits, n: int) -> list[int]:
+    _crop(cache, P)
+    _KEEP.clear()
+    _KEEP.update(keep)
+    _STATE["prompt_len"] = P
+    toks = [int(first_logits.argmax())]
+    with torch.no_grad():
+        for i in range(n - 1):
+            pos = P + i
+            out = model(
+                torch.tensor([[toks[-1]]]),
+                past_key_values=cache,
+                position_ids=torch.tensor([[pos]]),
+                use_cache=True,
+            )
+            toks.append(int(out.logits[0, -1].argmax()))
+    _KEEP.clear()
+    return toks
+
+
+# --- selection, written loop-simple and independently of kvmesh's policies.py
+
+
+def pool1d(x: torch.Tensor, kernel: int, mode: str) -> torch.Tensor:
+    """x (N,) -> (N,): each slot the avg / max of its +-kernel//2 neighbours inside x."""
+    if kernel <= 1:
+        return x.clone()
+    n, r = x.shape[0], kernel // 2
+    out = torch.empty_like(x)
+    for j in range(n):
+        seg = x[max(0, j - r) : min(n, j + r + 1)]
+        out[j] = seg.mean() if mode == "avg" else seg.max()
+    return out
+
+
+def pool_fast(x: torch.Tensor, kernel: int, mode: str) -> torch.Tensor:
+    """pool1d on (..., N), vectorised (checked equal to pool1d in ``check``)."""
+    if kernel <= 1:
+        return x.clone()
+    shape = x.shape
+    flat = x.reshape(-1, 1, shape[-1])
+    if mode == "avg":
+        y = F.avg_pool1d(flat, kernel, 1, kernel // 2, count_include_pad=False)
+    else:
+        y = F.max_pool1d(flat, kernel, 1, kernel // 2)
+    return y.reshape(shape)
+
+
+def topk_lowtie(scores: torch.Tensor, k: int) -> torch.Tensor:
+    order = sorted(range(scores.shape[0]), key=lambda j: (-float(scores[j]), j))
+    return torch.tensor(sorted(order[:k]), dtype=torch.long)
+
+
+def snapkv_keep(rec, P, budget, window=32, kernel=5, pool="avg", vote="group", Hkv=3, recent=0):
+    """rec: layer -> (Hq, P, P). The kept prompt slots per layer: (Hkv, P) bool.
+
+    vote: ``group`` sums the window's weights over each KV head's query heads; ``head``
+    lets each query head pick its own top slots, merged round-robin within the group;
+    ``layer`` sums over every head (one set per layer)."""
+    keep = {}
+    Wq = min(window, budget, P)  # the voting queries
+    W = min(max(window, int(recent * budget) if recent < 1 else recent), budget, P)  # kept tail
+    n_pre = P - W
+    n_top = budget - W
+    for layer, (a, _) in rec.items():
+        Hq = a.shape[0]
+        G = Hq // Hkv
+        per_q = a[:, a.shape[1] - Wq :, :n_pre].sum(
+            1
+        )  # (Hq, n_pre): the window's votes per query head
+        m = torch.zeros(Hkv, P, dtype=torch.bool)
+        m[:, n_pre:] = True
+        if n_top > 0 and n_pre > 0:
+            if vote == "layer":
+                v = pool_fast(per_q.sum(0), kernel, pool)
+                top = torch.sort(torch.sort(v, descending=True, stable=True).indices[:n_top]).values
+                m[:, top] = True
+            elif vote == "group":
+                v = pool_fast(per_q.view(Hkv, G, n_pre).sum(1), kernel, pool)
+                for h in range(Hkv):
+                    top = torch.sort(v[h], descending=True, stable=True).indices[:n_top]
+                    m[h, top] = True
+            else:  # head: each query head ranks, the group takes turns
+                v = pool_fast(per_q, kernel, pool).view(Hkv, G, n_pre)
+                for h in range(Hkv):
+                    orders = [
+                        torch.sort(v[h, g], descending=True, stable=True).indices.tolist()
+                        for g in range(G)
+                    ]
+                    chosen: list[int] = []
+                    seen = set()
+                    i = 0
+                    while len(chosen) < n_top:
+                        s = orders[i % G][i // G]
+                        if s not in seen:
+                            seen.add(s)
+                            chosen.append(s)
+                        i += 1
+                    m[h, chosen] = True
+        keep[layer] = m
+    return keep
+
+
+def h2o_keep(rec, P, budget, Hkv=3, recent_ratio=0.5):
+    keep = {}
+    recent = max(1, int(budget * recent_ratio))
+    for layer, (_, colsum) in rec.items():
+        Hq = colsum.shape[0]
+        acc = colsum.view(Hkv, Hq // Hkv, P).sum(1)  # every query's attention, group summed
+        m = torch.zeros(Hkv, P, dtype=torch.bool)
+        m[:, P - recent :] = True
+        for h in range(Hkv):
+            top = torch.sort(acc[h, : P - recent], descending=True, stable=True).indices[
+                : budget - recent
+            ]
+            m[h, top] = True
+        keep[layer] = m
+    return keep
+
+
+def streaming_keep_ref(rec, P, budget, Hkv=3, sinks=4):
+    m = torch.zeros(Hkv, P, dtype=torch.bool)
+    m[:, :sinks] = True
+    m[:, P - (budget - sinks) :] = True
+    return {layer: m for layer in rec}
+
+
+def random_keep_ref(rec, P, budget, Hkv=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    keep = {}
+    for layer in rec:
+        m = torch.zeros(Hkv, P, dtype=torch.bool)
+        for h in range(Hkv):
+            m[h, torch.randperm(P - 1, generator=g)[: budget - 1]] = True
+        m[:, P - 1] = True
+        keep[layer] = m
+    return keep
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def text_ids(tok, name: str) -> list[int]:
+    path = GPL if name == "gpl" else SHAKESPEARE
+    return tok.encode(path.read_text())
+
+
+def cont_nll(logits_prompt_last, logits_cont, cont) -> float:
+    lg = torch.cat([logits_prompt_last[None], logits_cont[:-1]], 0)
+    return float(
+        -torch.log_softmax(lg.float(), -1)[torch.arange(len(cont)), torch.tensor(cont)].mean()
+    )
+
+
+# --- explore
+
+
+def variants():
+    """The SnapKV variants tried (the paper's default first)."""
+    return [
+        dict(window=32, kernel=5, pool="avg", vote="group"),
+        dict(window=32, kernel=7, pool="avg", vote="group"),
+        dict(window=32, kernel=7, pool="max", vote="group"),
+        dict(window=16, kernel=7, pool="max", vote="group"),
+        dict(window=32, kernel=13, pool="max", vote="group"),
+        dict(window=32, kernel=7, pool="max", vote="layer"),
+    ]
+
+
+def vname(v):
+    r = f"_r{v['recent']:g}" if v.get("recent") else ""
+    return f"w{v['window']}_k{v['kernel']}_{v['pool']}_{v['vote']}{r}"
+
+
+def explore(model, tok, args) -> dict:
+    ids = text_ids(tok, args.text)
+    res = {"text": args.text, "needle": {}, "ppl": {}}
+    vs = json.loads(args.variants) if args.variants else variants()
+    # perplexity windows
+    C, N = args.context, args.continuation
+    nll = {}
+    for wi in range(args.windows):
+        o = args.offset + wi * (C + N)
+        w = ids[o : o + C + N]
+        ctx, cont = w[:C], w[C:]
+        t0 = time.monotonic()
+        cache, logits, rec = prefill(model, ctx)
+        P = C
+        H = model.config.num_key_value_heads
+        full = torch.ones(H, P, dtype=torch.bool)
+        rows = {"full": {layer: full for layer in rec}}
+        for frac in args.fractions:
+            b = int(C * frac)
+            for v in vs:
+                rows[f"snapkv_{vname(v)}@{frac:g}"] = snapkv_keep(rec, P, b, Hkv=H, **v)
+            rows[f"h2o@{frac:g}"] = h2o_keep(rec, P, b, Hkv=H)
+            rows[f"streaming@{frac:g}"] = streaming_keep_ref(rec, P, b, Hkv=H)
+            rows[f"random@{frac:g}"] = random_keep_ref(rec, P, b, Hkv=H)
+        for name, keep in rows.items():
+            lc = run_with_keep(model, cache, P, keep, cont)
+            nll.setdefault(name, []).append(cont_nll(logits[-1], lc, cont))
+            log(f"ppl window {wi} {name}: {math.exp(nll[name][-1]):.3f}")
+        log(f"ppl window {wi}: {time.monotonic() - t0:.0f}s")
+    if nll:
+        full = math.exp(sum(nll["full"]) / len(nll["full"]))
+        res["ppl"]["full"] = round(full, 4)
+        for name, v in nll.items():
+            p = math.exp(sum(v) / len(v))
+            res["ppl"][name] = {"ppl": round(p, 4), "vs_full": round(p / full - 1, 4)}
+    # needles
+    # the tuning text's needles differ from bench/eviction.py's (seed 1, not 0)
+    cases = needle_cases(tok, ids, args.needles, args.needle_context, seed=args.needle_seed)
+    shard, shards = (int(x) for x in args.needle_shard.split("/"))
+    cases = cases[shard::shards]
+    hits: dict[str, int] = {}
+    for ci, (prompt, code, _) in enumerate(cases):
+        t0 = time.monotonic()
+        cache, logits, rec = prefill(model, prompt)
+        P = len(prompt)
+        H = model.config.num_key_value_heads
+        rows = {"full": {layer: torch.ones(H, P, dtype=torch.bool) for layer in rec}}
+        for frac in args.needle_fractions:
+            b = int(args.needle_context * frac)
+            for v in vs:
+                rows[f"snapkv_{vname(v)}@{frac:g}"] = snapkv_keep(rec, P, b, Hkv=H, **v)
+            rows[f"h2o@{frac:g}"] = h2o_keep(rec, P, b, Hkv=H)
+            rows[f"streaming@{frac:g}"] = streaming_keep_ref(rec, P, b, Hkv=H)
+            rows[f"random@{frac:g}"] = random_keep_ref(rec, P, b, Hkv=H)
+        names = list(rows)
+        outs = greedy_batched(model, cache, P, [rows[k] for k in names], logits[-1], 8)
+        for name, toks in zip(names, outs):
+            hits[name] = hits.get(name, 0) + (code in tok.decode(toks))
+        log(f"needle {ci}: {time.monotonic() - t0:.0f}s " + json.dumps(hits))
+    if cases:
+        res["needle"] = {k: round(v / len(cases), 4) for k, v in hits.items()}
+        res["needle_cases"] = len(cases)
+    return res
+
+
+# --- check
+
+
+def snapkv_defaults() -> dict:
+    """kvmesh's SnapKV defaults (what ``kv_policy="snapkv"`` runs), read off its signature."""
+    import inspect
+
+    from kvmesh.worker.eviction.policies import SnapKV
+
+    sig = inspect.signature(SnapKV.__init__).parameters
+    out = {k: sig[k].default for k in ("window", "kernel", "pool", "recent")}
+    return {**out, "vote": "group"}
+
+
+def check(model, tok, args) -> dict:
+    from kvmesh.worker import LLM, SamplingParams
+
+    # the vectorised pooling equals the loop one
+    x = torch.rand(3, 40)
+    for mode in ("avg", "max"):
+        for k in (1, 5, 7):
+            ref = torch.stack([pool1d(r, k, mode) for r in x])
+            assert torch.allclose(pool_fast(x, k, mode), ref, atol=1e-6), (mode, k)
+    llm = LLM(
+        "smollm2-135m-instruct",
+        dtype="float32",
+        kv_cache_memory="256MiB",
+        max_num_batched_tokens=512,
+    )
+    ids = text_ids(tok, args.text)
+    cases = needle_cases(tok, ids, args.needles, args.needle_context, seed=0)
+    out = {"needle": [], "text": args.text}
+    H = model.config.num_key_value_heads
+    for frac in args.needle_fractions:
+        b = int(args.needle_context * frac)
+        eng_out = llm.generate(
+            [c for c, _, _ in cases],
+            SamplingParams(temperature=0, max_tokens=8, kv_budget=b, kv_policy="snapkv"),
+        )
+        same = 0
+        for (prompt, code, _), eo in zip(cases, eng_out):
+            cache, logits, rec = prefill(model, prompt)
+            keep = snapkv_keep(rec, len(prompt), b, Hkv=H, **snapkv_defaults())
+            toks = greedy_with_keep(model, cache, len(prompt), keep, logits[-1], 8)
+            same += toks == eo.token_ids
+            out["needle"].append(
+                {
+                    "budget": b,
+                    "code": code,
+                    "engine": eo.text,
+                    "reference": tok.decode(toks),
+                    "same_tokens": toks == eo.token_ids,
+                }
+            )
+            log(out["needle"][-1])
+        log(f"budget {b}: {same}/{len(cases)} answers token-identical")
+    llm.close()
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=("check", "explore"))
+    ap.add_argument("--text", default="shakespeare", choices=("shakespeare", "gpl"))
+    ap.add_argument("--needles", type=int, default=10)
+    ap.add_argument("--needle-context", type=int, default=1024)
+    ap.add_argument("--needle-fractions", type=float, nargs="+", default=[0.10, 0.25])
+    ap.add_argument("--context", type=int, default=1536)
+    ap.add_argument("--continuation", type=int, default=256)
+    ap.add_argument("--windows", type=int, default=1)
+    ap.add_argument("--offset", type=int, default=5000, help="first token of the ppl windows")
+    ap.add_argument("--needle-seed", type=int, default=1)
+    ap.add_argument("--needle-shard", default="0/1")
+    ap.add_argument("--variants", help="JSON list of snapkv_keep keyword dicts")
+    ap.add_argument("--fractions", type=float, nargs="+", default=[0.125, 0.25, 0.5])
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    model = load_model()
+    from kvmesh.worker.models.loader import model_fingerprint, resolve_model
+    from kvmesh.worker.tokenizer import Tokenizer
+
+    src = resolve_model("smollm2-135m-instruct")
+    tok = Tokenizer.load(src, model_fingerprint(src))
+    res = check(model, tok, args) if args.mode == "check" else explore(model, tok, args)
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
