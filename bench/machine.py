@@ -4,7 +4,6 @@ the next (an AVX-512 machine against an AVX2-only one), so every result names th
 from __future__ import annotations
 
 import os
-import platform
 
 # the instruction-set flags that decide which kernels and GEMM paths are fast
 _SIMD_FLAGS = (
@@ -29,20 +28,11 @@ _SIMD_FLAGS = (
 
 def machine_info() -> dict:
     """CPU model, the SIMD flags it has (of those above), logical CPUs and 1-minute load."""
-    model, flags = None, set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key == "model name" and model is None:
-                    model = value.strip()
-                elif key in ("flags", "Features") and not flags:
-                    flags = set(value.split())
-    except OSError:  # not Linux: the model from platform, no flags
-        pass
+    from kvmesh.kernels.autotune import cpu_model_and_flags  # the tuner's cache key reads the same
+
+    model, flags = cpu_model_and_flags()
     return {
-        "cpu_model": model or platform.processor() or platform.machine(),
+        "cpu_model": model,
         "cpu_flags": [f for f in _SIMD_FLAGS if f in flags],
         "cpu_count": os.cpu_count(),
         "loadavg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,

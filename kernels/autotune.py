@@ -106,24 +106,30 @@ def bucket(rows: int) -> int:
 _CPU: tuple[str, str] | None = None
 
 
+def cpu_model_and_flags() -> tuple[str, set[str]]:
+    """The CPU's model name and its feature flags, from /proc/cpuinfo (``Features`` on Arm);
+    elsewhere the model from ``platform`` and no flags. bench/machine.py reports the same."""
+    model, flags = None, set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and model is None:
+                    model = value.strip()
+                elif key in ("flags", "Features") and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    return model or platform.processor() or platform.machine(), flags
+
+
 def _cpu() -> tuple[str, str]:
     """(model name, hash of the sorted flags), read once."""
     global _CPU
     if _CPU is None:
-        model, flags = None, ""
-        try:
-            with open("/proc/cpuinfo") as f:
-                for line in f:
-                    key, _, value = line.partition(":")
-                    key = key.strip()
-                    if key == "model name" and model is None:
-                        model = value.strip()
-                    elif key in ("flags", "Features") and not flags:
-                        flags = " ".join(sorted(value.split()))
-        except OSError:
-            pass
-        model = model or platform.processor() or platform.machine()
-        _CPU = (model, hashlib.sha256(flags.encode()).hexdigest()[:16])
+        model, flags = cpu_model_and_flags()
+        _CPU = (model, hashlib.sha256(" ".join(sorted(flags)).encode()).hexdigest()[:16])
     return _CPU
 
 
