@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 
 from kvmesh.protos.security import ClusterIdentity
 
@@ -258,3 +259,24 @@ def tiny_deepseek_config(**overrides) -> dict:
     )
     cfg.update(overrides)
     return cfg
+
+
+def ref_softmax_row(q, keys, upto: int, head_size: int) -> list[float]:
+    """Softmax over slots 0..upto of q . keys[j] / sqrt(head_size), in float64 by plain
+    loops: q (D,), keys (N, D). The eviction policies' loop references build on it."""
+    logits = [float(q.double() @ keys[j].double()) / math.sqrt(head_size) for j in range(upto + 1)]
+    top = max(logits)
+    e = [math.exp(x - top) for x in logits]
+    total = sum(e)
+    return [x / total for x in e]
+
+
+def ref_top_and_recent(scores: list, budget: int, recent: int) -> list[int]:
+    """The last ``recent`` slots and the ``budget - recent`` highest-scoring others (ties to
+    the lower slot), ascending: the loop reference of eviction's top-and-recent rule."""
+    n = len(scores)
+    if budget >= n:
+        return list(range(n))
+    recent = min(recent, budget)
+    older = sorted(range(n - recent), key=lambda i: (-scores[i], i))[: budget - recent]
+    return sorted(older + list(range(n - recent, n)))

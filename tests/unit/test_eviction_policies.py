@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from helpers import ref_softmax_row, ref_top_and_recent
 
 from kvmesh.worker.attention.base import LayerCache
 from kvmesh.worker.eviction import H2O, RandomKeep, SnapKV, StreamingLLM, make_policy
@@ -11,15 +12,6 @@ from kvmesh.worker.eviction.manager import EvictionManager, EvictionState, _Obse
 from kvmesh.worker.sampling_params import SamplingParams
 
 L, HKV, G, D = 2, 3, 3, 8  # layers, KV heads, query heads per KV head, head size
-
-
-def ref_top_and_recent(scores: list[float], budget: int, recent: int) -> list[int]:
-    n = len(scores)
-    if budget >= n:
-        return list(range(n))
-    recent = min(recent, budget)
-    older = sorted(range(n - recent), key=lambda i: (-scores[i], i))[: budget - recent]
-    return sorted(older + list(range(n - recent, n)))
 
 
 def ref_attention(q: torch.Tensor, k: torch.Tensor, qpos: list[int]) -> torch.Tensor:
@@ -30,14 +22,8 @@ def ref_attention(q: torch.Tensor, k: torch.Tensor, qpos: list[int]) -> torch.Te
     for i, p in enumerate(qpos):
         for h in range(HKV * G):
             kh = h // G
-            logits = [
-                float(q[i, h].double() @ k[j, kh].double()) / math.sqrt(D) for j in range(p + 1)
-            ]
-            mx = max(logits)
-            e = [math.exp(x - mx) for x in logits]
-            s = sum(e)
-            for j in range(p + 1):
-                out[kh, j] += e[j] / s
+            for j, w in enumerate(ref_softmax_row(q[i, h], k[:, kh], p, D)):
+                out[kh, j] += w
     return out
 
 

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from helpers import ref_softmax_row, ref_top_and_recent
 
 from kvmesh.worker.attention.base import LayerCache
 from kvmesh.worker.eviction.manager import EvictionManager, EvictionState, _Observed
@@ -25,25 +26,10 @@ def ref_counts(q: torch.Tensor, k: torch.Tensor, q0: int) -> list[list[int]]:
         qs = q0 + i
         for hq in range(HKV * G):
             h = hq // G
-            logits = [
-                float(q[i, hq].double() @ k[j, h].double()) / math.sqrt(D) for j in range(qs + 1)
-            ]
-            top = max(logits)
-            e = [math.exp(x - top) for x in logits]
-            total = sum(e)
-            for j in range(qs + 1):
-                if e[j] / total > 1.0 / (qs + 1):
+            for j, w in enumerate(ref_softmax_row(q[i, hq], k[:, h], qs, D)):
+                if w > 1.0 / (qs + 1):
                     out[h][j] += 1
     return out
-
-
-def ref_keep(counts: list[int], budget: int, recent: int) -> list[int]:
-    n = len(counts)
-    if budget >= n:
-        return list(range(n))
-    older = list(range(n - recent))
-    top = sorted(older, key=lambda j: (-counts[j], j))[: budget - recent]
-    return sorted(top + list(range(n - recent, n)))
 
 
 def _observe(policy, q_layers, k_layers, q0: int) -> torch.Tensor:
@@ -82,7 +68,7 @@ def test_scissorhands_keeps_the_references_set(seed):
         counts = ref_counts(qs[layer], ks[layer], N - m)
         assert scores[layer].tolist() == [[float(c) for c in row] for row in counts]
         for h in range(HKV):
-            ref = ref_keep(counts[h], budget, pol.recent)
+            ref = ref_top_and_recent(counts[h], budget, pol.recent)
             assert keep[layer, h].tolist() == ref, (layer, h)
 
 
