@@ -280,3 +280,35 @@ def ref_top_and_recent(scores: list, budget: int, recent: int) -> list[int]:
     recent = min(recent, budget)
     older = sorted(range(n - recent), key=lambda i: (-scores[i], i))[: budget - recent]
     return sorted(older + list(range(n - recent, n)))
+
+
+def fill_request_slots(
+    cache, table: list[int], k, v, slot: int, *, block_size: int, residual_slots: int
+):
+    """Write k, v (N, H, D) into one layer's cache (a ``LayerCache``) as a request's first N
+    slots, as the engine would: full pages into ``table``'s pages (quantized formats through
+    the page quantizer), the rest into residual slot ``slot``. ``residual_slots``: how many
+    residual slots the pool has (the staging rows sit after them)."""
+    import torch
+
+    from kvmesh.kernels.cache_write import write_kv_cache
+
+    bs, n = block_size, k.shape[0]
+    j = torch.arange(n)
+    if not cache.quantized:
+        pages = torch.tensor(table)[j // bs]
+        cache.views["k"][pages, j % bs] = k.to(cache.views["k"].dtype)
+        cache.views["v"][pages, j % bs] = v.to(cache.views["v"].dtype)
+        return
+    full = n // bs
+    write_kv_cache(
+        fmt=cache.cache_format,
+        k=k,
+        v=v,
+        cache=cache.views,
+        residual_k=cache.residual_k,
+        residual_v=cache.residual_v,
+        residual_slots=torch.where(j >= full * bs, slot * bs + j % bs, -1),
+        complete_pages=torch.tensor(table[:full]),
+        complete_src=(residual_slots * bs + torch.arange(full * bs)).view(full, bs),
+    )

@@ -5,8 +5,8 @@ are never written."""
 
 import pytest
 import torch
+from helpers import fill_request_slots
 
-from kvmesh.kernels.cache_write import write_kv_cache
 from kvmesh.kernels.page_format import PageLayout
 from kvmesh.kernels.quant import dequantize_pages, quantize_pages
 from kvmesh.worker.eviction.compaction import gather_heads, read_layer, write_layer
@@ -17,27 +17,7 @@ FORMATS = ["fp32", "fp16", "bf16", "fp8", "int8", "int4"]
 
 
 def _fill(cache, table: list[int], k, v, slot: int) -> None:
-    """Write k, v (N, H, D) as a request's first N slots, as the engine would."""
-    n = k.shape[0]
-    if not cache.quantized:
-        j = torch.arange(n)
-        pages = torch.tensor(table)[j // BS]
-        cache.views["k"][pages, j % BS] = k.to(cache.views["k"].dtype)
-        cache.views["v"][pages, j % BS] = v.to(cache.views["v"].dtype)
-        return
-    full = n // BS
-    j = torch.arange(n)
-    write_kv_cache(
-        fmt=cache.cache_format,
-        k=k,
-        v=v,
-        cache=cache.views,
-        residual_k=cache.residual_k,
-        residual_v=cache.residual_v,
-        residual_slots=torch.where(j >= full * BS, slot * BS + j % BS, -1),
-        complete_pages=torch.tensor(table[:full]),
-        complete_src=(R * BS + torch.arange(full * BS)).view(full, BS),
-    )
+    fill_request_slots(cache, table, k, v, slot, block_size=BS, residual_slots=R)
 
 
 def _roundtrip(fmt, k, v):

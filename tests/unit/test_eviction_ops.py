@@ -4,6 +4,7 @@ whole are copied byte for byte (never requantized), the per-request opt-out
 
 import pytest
 import torch
+from helpers import fill_request_slots
 
 from kvmesh.kernels import cache_write
 from kvmesh.kernels.page_format import PageLayout
@@ -67,19 +68,7 @@ def _filled(fmt: str, dtype: torch.dtype):
     table = [3, 7, 5, 10, 11]
     k = torch.randn(n, H, D, generator=g) * 3
     v = torch.randn(n, H, D, generator=g) * 3
-    j = torch.arange(n)
-    full = n // BS
-    cache_write.write_kv_cache(
-        fmt=fmt,
-        k=k,
-        v=v,
-        cache=cache.views,
-        residual_k=cache.residual_k,
-        residual_v=cache.residual_v,
-        residual_slots=torch.where(j >= full * BS, slot * BS + j % BS, -1),
-        complete_pages=torch.tensor(table[:full]),
-        complete_src=(R * BS + torch.arange(full * BS)).view(full, BS),
-    )
+    fill_request_slots(cache, table, k, v, slot, block_size=BS, residual_slots=R)
     return mem, cache, torch.tensor(table), n, slot
 
 
