@@ -42,7 +42,9 @@ def test_spilled_pages_are_byte_exact_and_staging_is_reused():
         pool[[3, 7]] = 0  # the slots are reused at once: the spill already holds a copy
         _evict(off, pool, [2, 5, 6])
         off.drain()
-        assert off._staging.created == 2  # the second flush reused an idle buffer
+        # the first flush needs 1 or 2 buffers (the spill thread may free the first before the
+        # second part is staged); the second flush must reuse an idle one, never make a third
+        assert off._staging.created <= 2
         for i in [3, 7, 1, 0, 9, 4, 11, 2, 5, 6]:
             (obj,) = host.get([bytes([i]) * 32])
             assert bytes(decode(spec, obj)) == pool_before[i].numpy().tobytes(), i
