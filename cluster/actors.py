@@ -498,7 +498,7 @@ class RouterActor:
     # ------------------------------------------------------------ called by workers
 
     def register(self, info: dict, handle) -> dict:
-        reply = self.server.call(self.core.register, info)
+        reply = self.server.call(self.server.register_worker, info)
         with self._lock:
             self._handles[str(info["worker_id"])] = handle
         return reply

@@ -273,6 +273,7 @@ class RouterServer:
         self._health: health.aio.HealthServicer | None = None
         self._serving: bool | None = None
         self._tasks: list[asyncio.Task] = []
+        self._health_task: asyncio.Task | None = None  # the last register_worker's update
         self._stopped: asyncio.Event | None = None
         self._drain = Drain()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -521,6 +522,14 @@ class RouterServer:
         if self.http is not None:
             await self.http.start()
         return port
+
+    def register_worker(self, info: dict) -> dict:
+        """``core.register`` (on the server's loop, through ``call``), with health brought up
+        to date at once rather than at the next housekeeping round, which a loaded machine
+        can delay well past the moment a client sees the worker listed."""
+        reply = self.core.register(info)
+        self._health_task = asyncio.get_running_loop().create_task(self._set_health())
+        return reply
 
     async def _set_health(self) -> None:
         serving = bool(self.core.workers) and not self.life.draining

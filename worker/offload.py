@@ -27,6 +27,7 @@ from kvmesh.kernels.page_format import read_pages
 from kvmesh.kvstore.codec import PageSpec
 from kvmesh.kvstore.host import HostTier
 from kvmesh.kvstore.store import TieredStore
+from kvmesh.worker.daemon_executor import DaemonExecutor
 from kvmesh.worker.request import Request
 
 logger = logging.getLogger("kvmesh.offload")
@@ -35,6 +36,11 @@ MAX_PEER_STORES = 32  # peers' connections kept open (least recently named close
 # the peer tier's counters the metrics export (worker/metrics.py): faults, objects rejected
 # by the codec or on the wire, object bytes received per transport
 PEER_COUNTERS = ("errors", "corrupt", "data_plane_bytes", "grpc_bytes")
+# a fetch still running this long after it started is abandoned (its request computes what
+# it lacks): every call it makes has its own deadline (a peer's ``timeout``, Redis's socket
+# timeouts), so only a call stuck past its own deadline gets here
+FETCH_ABANDON_MIN_S = 60.0
+FETCH_ABANDON_PEER_TIMEOUTS = 3  # ... or this many peer timeouts, if longer
 
 
 @dataclass
@@ -71,9 +77,16 @@ class KVOffloader:
         self._peer_tls = None
         self.max_spill_backlog = max_spill_backlog
         self._spill_pool = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-spill")
-        self._fetch_pool = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-fetch")
+        # a daemon thread: a fetch stuck in a library must not hold the process's exit
+        self._fetch_pool = DaemonExecutor("kvmesh-fetch")
+        self.fetch_abandon_s = max(
+            FETCH_ABANDON_MIN_S, FETCH_ABANDON_PEER_TIMEOUTS * peer_timeout_s
+        )
         self._evicted: list[tuple[bytes, int]] = []  # (hash, page id) awaiting a copy
         self._fetches: dict[str, Future] = {}
+        self._fetch_info: dict[str, tuple[Request, int]] = {}  # request id -> (it, first page)
+        # request id -> when the fetch thread began its fetch (set on that thread)
+        self._fetch_began: dict[str, float] = {}
         # page hash -> the future of the spill batch carrying it, until that batch is stored
         self._spilling: dict[bytes, Future] = {}
         # set once a fetch's future is done (its done-callback: set from inside the fetch,
@@ -91,6 +104,7 @@ class KVOffloader:
                 "promotions",
                 "promoted_pages",
                 "promotion_errors",
+                "fetches_abandoned",
             ),
             0,
         )
@@ -194,6 +208,7 @@ class KVOffloader:
         # hold it up (behind a burst of evictions they would queue a restore for seconds).
         with self._lock:
             spilled = {self._spilling[h] for h in hashes if h in self._spilling}
+        self._fetch_info[req.request_id] = (req, first_page)  # before the thread may start
         fut = self._fetch_pool.submit(
             self._fetch, req, first_page, list(hashes), list(on_device), spilled, time.monotonic()
         )
@@ -270,6 +285,8 @@ class KVOffloader:
         spilled: Collection[Future] = (),
         started: float | None = None,
     ) -> FetchResult:
+        if req.request_id in self._fetch_info:  # not aborted while it was queued
+            self._fetch_began[req.request_id] = time.monotonic()
         tiers: list[str] = []
         payloads: list[memoryview | None] = []
         try:
@@ -336,14 +353,40 @@ class KVOffloader:
     def cancel(self, request_id: str) -> None:
         """Forget a request's fetch (aborted); its result, if any, is dropped."""
         self._fetches.pop(request_id, None)
+        self._fetch_info.pop(request_id, None)
+        self._fetch_began.pop(request_id, None)
 
     def take_fetch(self, request_id: str) -> FetchResult | None:
-        """The finished fetch of this request (once), or None while it is in flight."""
+        """The finished fetch of this request (once), or None while it is in flight. A
+        fetch running past ``fetch_abandon_s`` is abandoned: an empty result (the request
+        computes its prefix), and the fetches queued behind it move to a fresh thread."""
         f = self._fetches.get(request_id)
-        if f is None or not f.done():
+        if f is None:
             return None
-        del self._fetches[request_id]
+        if not f.done():
+            began = self._fetch_began.get(request_id)
+            if began is None or time.monotonic() - began < self.fetch_abandon_s:
+                return None
+            req, first_page = self._fetch_info[request_id]
+            self._abandon_fetch_thread(request_id)
+            return FetchResult(req, first_page, [], [])
+        self.cancel(request_id)
         return f.result()
+
+    def _abandon_fetch_thread(self, request_id: str) -> None:
+        logger.warning(
+            "the prefix fetch of %s is still running after %.1fs (past every deadline its "
+            "calls have): abandoned, the request computes its prefix; later fetches move "
+            "to a new thread",
+            request_id,
+            self.fetch_abandon_s,
+        )
+        self.cancel(request_id)
+        with self._lock:
+            self.metrics["fetches_abandoned"] += 1
+            self.metrics["promotion_errors"] += 1
+        stuck, self._fetch_pool = self._fetch_pool, DaemonExecutor("kvmesh-fetch")
+        stuck.move_queued_to(self._fetch_pool)
 
     def wait_for_fetch(self, timeout: float) -> None:
         """Block until some fetch finishes (or ``timeout``): for an engine with nothing else
@@ -353,7 +396,7 @@ class KVOffloader:
         self._done.clear()
 
     def close(self) -> None:
-        self._fetch_pool.shutdown(wait=False, cancel_futures=True)
+        self._fetch_pool.shutdown(cancel_futures=True)
         self._spill_pool.shutdown(wait=True)
         if self.store is not None:
             self.store.close()

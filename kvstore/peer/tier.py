@@ -30,6 +30,10 @@ MAX_PEERS = 8  # addresses one PeerTier may hold (a request names at most MAX_PE
 # how long a failed peer counts as down (``PeerTier.healthy``) without failing again: a peer
 # no request names any more (a worker gone for good) must not keep the tier down forever
 DOWN_HOLD_S = 60.0
+# a streaming Fetch is cancelled by PeerTier itself this long after its gRPC deadline: under
+# heavy load one was seen blocked in ``initial_metadata()`` minutes past its deadline, which
+# held the fetch thread (and the request waiting on it) with it
+FETCH_WATCHDOG_GRACE_S = 2.0
 
 
 class PeerAuthError(ValueError):
@@ -365,6 +369,9 @@ class PeerTier(Tier):
         asm = PageAssembler(self.max_page_bytes)
         md, nonce = self.identity.challenge()
         call = stub.Fetch(pb.FetchRequest(hashes=hashes), timeout=timeout, metadata=md)
+        watchdog = threading.Timer(timeout + FETCH_WATCHDOG_GRACE_S, call.cancel)
+        watchdog.daemon = True
+        watchdog.start()
         try:
             self._check_proof(nonce, call)  # before a single piece is taken
             for chunk in call:
@@ -378,6 +385,7 @@ class PeerTier(Tier):
             call.cancel()
             return got, e
         finally:
+            watchdog.cancel()
             if asm.corrupt:
                 with self._lock:
                     self.metrics["corrupt"] += asm.corrupt

@@ -368,3 +368,53 @@ def test_a_store_bounds_its_peer_tiers_objects_to_its_page_size():
         assert max_object_bytes(SPEC) >= len(encode(SPEC, bytes(SPEC.page_nbytes)))
     finally:
         tier.close()
+
+
+class _StuckFetchCall:
+    """A streaming call that never sends its initial metadata, past its deadline too (seen
+    under heavy load from grpc's own calls): only ``cancel`` ends the wait."""
+
+    def __init__(self):
+        import threading
+
+        self._cancelled = threading.Event()
+
+    def initial_metadata(self):
+        self._cancelled.wait(60)
+        return ()
+
+    def cancel(self):
+        self._cancelled.set()
+        return True
+
+    def cancelled(self):
+        return self._cancelled.is_set()
+
+    def __iter__(self):
+        return iter(())
+
+
+class _StuckStub:
+    def __init__(self):
+        self.calls: list[_StuckFetchCall] = []
+
+    def Fetch(self, request, timeout, metadata):  # noqa: N802 - gRPC's method name
+        self.calls.append(_StuckFetchCall())
+        return self.calls[-1]
+
+
+def test_a_fetch_whose_call_outlives_its_deadline_is_cancelled_by_the_watchdog(monkeypatch):
+    import kvmesh.kvstore.peer.tier as tier_mod
+
+    monkeypatch.setattr(tier_mod, "FETCH_WATCHDOG_GRACE_S", 0.2)
+    peer = PeerTier(f"127.0.0.1:{free_port()}", identity=ID, timeout=0.3, data_plane=False)
+    try:
+        stub = _StuckStub()
+        t0 = time.monotonic()
+        got, err = peer._fetch(stub, [h(1)], timeout=0.3)
+        took = time.monotonic() - t0
+        assert got == {} and err is not None  # misses, never pages or an exception
+        assert stub.calls[0].cancelled()
+        assert took < 30, f"the stuck call held the fetch {took:.1f}s"  # 60 s without it
+    finally:
+        peer.close()

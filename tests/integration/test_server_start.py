@@ -110,3 +110,27 @@ def test_a_router_refused_at_construction_leaves_no_callback_on_the_core(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         RouterServer(core, **bad)
     assert core.on_dead == []
+
+
+def test_a_router_serves_as_soon_as_a_worker_registers_not_at_its_next_housekeeping():
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from helpers import register_worker
+
+    srv = RouterServer(RouterCore(report_timeout_s=3600.0), housekeeping_s=3600.0)
+    srv.start_in_thread()
+    try:
+        with grpc.insecure_channel(srv.address) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+
+            def status():
+                return stub.Check(health_pb2.HealthCheckRequest(), timeout=10).status
+
+            assert status() == health_pb2.HealthCheckResponse.NOT_SERVING  # no worker yet
+            register_worker(
+                srv, worker_id="w0", address="127.0.0.1:1", model_fp="ab", block_size=16
+            )
+            # housekeeping would take an hour: only the registration can have turned it
+            assert wait_until(lambda: status() == health_pb2.HealthCheckResponse.SERVING, 5)
+    finally:
+        srv.stop_in_thread(grace=0)

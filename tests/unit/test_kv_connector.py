@@ -4,6 +4,11 @@ the device byte for byte, and computes what a failed fetch could not bring."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import threading
+import time
+
 import torch
 
 from kvmesh.kernels.page_format import PageLayout
@@ -40,6 +45,21 @@ class BrokenTier(Tier):
 
     def evict(self, hashes):
         pass
+
+
+class StuckTier(BrokenTier):
+    """Claims every page, then never answers ``get`` until ``release`` is set: a call stuck
+    past every deadline it has."""
+
+    def __init__(self):
+        self.release = threading.Event()
+        self.calls = 0
+
+    def get(self, hashes):
+        self.calls += 1
+        if self.calls == 1:
+            self.release.wait()
+        raise ConnectionError("redis went away")
 
 
 def make(tiers, num_pages: int = 8):
@@ -120,6 +140,53 @@ def test_a_failed_fetch_computes_the_prefix_instead():
     assert req.num_cached_tokens == 0 and req.status is RequestStatus.RUNNING
     assert conn.metrics()["offload"]["promotion_errors"] == 1
     assert step(sched, conn) == [("r", 1)]
+
+
+def test_a_fetch_stuck_past_its_bound_is_abandoned_and_the_next_fetch_still_runs():
+    tier = StuckTier()
+    sched, conn, _, _ = make([tier])
+    conn.offloader.fetch_abandon_s = 0.3
+    a, b = make_req("a", range(10, 19)), make_req("b", range(30, 39))
+    sched.add(a)
+    sched.add(b)
+    try:
+        assert sched.schedule().scheduled == []
+        assert a.status is RequestStatus.PROMOTING and b.status is RequestStatus.PROMOTING
+        time.sleep(0.4)  # a's fetch is stuck in the tier; b's is queued behind it
+        steps = run_until_scheduled(sched, conn)
+        # a computes its whole prompt; b's fetch ran on the new thread (and failed: misses)
+        assert ("a", 9) in sum(steps, [])
+        for _ in range(200):  # b's fetch runs on the new thread now: give it time
+            if ("b", 9) in sum(steps, []):
+                break
+            time.sleep(0.01)
+            steps.append(step(sched, conn))
+        assert ("b", 9) in sum(steps, [])
+        assert a.num_cached_tokens == 0 and b.num_cached_tokens == 0
+        assert tier.calls == 2  # b's fetch did run, after a's was abandoned
+        off = conn.metrics()["offload"]
+        assert off["fetches_abandoned"] == 1 and off["promotion_errors"] == 2
+    finally:
+        tier.release.set()
+
+
+def test_a_stuck_fetch_thread_does_not_hold_the_process_at_exit():
+    code = (
+        "import threading\n"
+        "from kvmesh.worker.daemon_executor import DaemonExecutor\n"
+        "ex = DaemonExecutor('kvmesh-fetch')\n"
+        "began = threading.Event()\n"
+        "ex.submit(lambda: began.set() or threading.Event().wait())\n"  # never returns
+        "began.wait(10)\n"
+        "f = ex.submit(lambda: 1)\n"
+        "ex2 = DaemonExecutor('kvmesh-fetch')\n"
+        "ex.move_queued_to(ex2)\n"
+        "assert f.result(timeout=10) == 1\n"
+        "print('exiting')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "exiting"
 
 
 def test_an_abort_while_promoting_drops_the_fetch_and_its_hold():
