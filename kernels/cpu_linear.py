@@ -69,6 +69,7 @@ class PackedLinear:
         self.packed = None  # MKL's packed copy, made on first use
         self.onednn_weight = None  # oneDNN's reordered copy, made on first use
         self._plans: dict[int, dict[int, str]] = {}  # threads -> row bucket -> candidate
+        self._tuning = False  # inside tune()
 
     @property
     def tuner(self) -> autotune.GemmTuner:
@@ -160,7 +161,8 @@ class PackedLinear:
 
                 calls = {n: (lambda f=f: f(x())) for n, f in cands.items()}
                 got = self.tuner.choose(self.shape, b, calls, lambda n: self._exact(cands[n], b))
-                self._drop_unused(got)
+                if not self._tuning:  # tune() drops them once, after its last bucket
+                    self._drop_unused(got)
             plan[b] = got
         return got
 
@@ -170,10 +172,15 @@ class PackedLinear:
         run, so no request pays for either (``warm_up``)."""
         if not self.tunable:
             return
-        for b in autotune.BUCKETS:
-            self._choose(b)
-            if b >= max_rows:
-                break
+        self._tuning = True  # keep the packed copies across buckets: one reorder, not one each
+        try:
+            for b in autotune.BUCKETS:
+                self._choose(b)
+                if b >= max_rows:
+                    break
+        finally:
+            self._tuning = False
+        self._drop_unused(None)
         used = set(self.plan.values())
         if "mkl" in used:
             self._pack_mkl()
@@ -193,7 +200,7 @@ class PackedLinear:
                 return False
         return True
 
-    def _drop_unused(self, chosen: str) -> None:
+    def _drop_unused(self, chosen: str | None) -> None:
         """Free the packed copies tuning made that no bucket runs (re-made if one does)."""
         used = {c for p in self._plans.values() for c in p.values()} | {chosen}
         if "mkl" not in used:
