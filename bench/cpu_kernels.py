@@ -13,11 +13,16 @@
   ``--engine-tokens`` greedy tokens each, submitted together, for each KV cache format of
   ``--engine-formats`` and GEMM mode of ``--gemm-modes`` (``kernels.autotune``), the configs
   run in turn for ``--engine-rounds`` rounds (best of each kept): output tokens/s, ratios to
-  the first config, and whether greedy tokens equal the first config's.
+  the first config, and whether greedy tokens equal the first config's;
+* ``prefill``: cold time to first token of a ``--prefill-tokens`` (2,048) prompt at each
+  prefill chunk size of ``--prefill-chunks`` (engines taking turns, ``--engine-rounds``), the
+  GEMM each chunk runs, ``F.linear`` vs oneDNN at 512 and 2,048 rows (the tuner measures
+  prefill sizes at 512 rows), and a profile's GEMM / attention / rest split of one prefill.
 
 Prints one JSON object on stdout.
 
-    python bench/cpu_kernels.py [--parts gemm,bandwidth,decode,quantize,engine] [--threads 2]
+    python bench/cpu_kernels.py [--parts gemm,bandwidth,decode,quantize,engine,prefill]
+        [--threads 2]
 """
 
 from __future__ import annotations
@@ -220,6 +225,110 @@ def bench_engine(args) -> dict:
     }
 
 
+def _prefill_shares(llm, prompt) -> dict:
+    """One cold prefill under torch.profiler: the share of its wall time in GEMMs, in
+    attention (SDPA) and in the rest (the C elementwise kernels run through ctypes and show
+    only as wall time outside both)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvmesh.worker import SamplingParams
+
+    llm.reset_prefix_cache()
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        llm.generate([prompt], one)
+        wall = time.perf_counter() - t0
+    gemm = attn = 0.0
+    for e in prof.key_averages():
+        name = e.key.lower()
+        us = e.self_cpu_time_total / 1e6
+        if any(k in name for k in ("addmm", "aten::mm", "linear_pointwise", "mkl_linear")):
+            gemm += us
+        elif "attention" in name or "sdpa" in name:
+            attn += us
+    return {
+        "wall_s": round(wall, 3),
+        "gemm_share": round(gemm / wall, 3),
+        "attention_share": round(attn / wall, 3),
+        "rest_share": round(max(0.0, 1 - (gemm + attn) / wall), 3),
+    }
+
+
+def bench_prefill(args) -> dict:
+    """Cold time to first token of a ``--prefill-tokens`` prompt at each prefill chunk size
+    (``max_num_batched_tokens``) of ``--prefill-chunks``, the engines taking turns for
+    ``--engine-rounds`` rounds (median kept); the GEMM each chunk's bucket runs (``auto``
+    measures prefill sizes once, at 512 rows) against ``F.linear`` / oneDNN timed at 512 and
+    at 2,048 rows; the profile's split of one cold prefill at the largest chunk."""
+    from kvmesh.kernels import autotune
+    from kvmesh.worker import LLM, SamplingParams
+
+    text = (
+        Path(__file__).resolve().parents[1].parent / "shared/data/tinyshakespeare.txt"
+    ).read_text()
+    os.environ.pop("KVMESH_GEMM", None)  # the engine's default: auto over fp32 pages
+    autotune.reset_default_tuners()
+    chunks = [int(c) for c in args.prefill_chunks.split(",")]
+    llms = {}
+    for c in chunks:
+        t0 = time.perf_counter()
+        llms[c] = LLM("smollm2-135m-instruct", kv_cache_memory="160MiB", max_num_batched_tokens=c)
+        print(f"prefill: engine chunk {c} built in {time.perf_counter() - t0:.1f}s", flush=True)
+    ids = llms[chunks[0]].tokenizer.encode(text[len(text) // 2 :][: 16 * args.prefill_tokens])
+    prompt = ids[: args.prefill_tokens]
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    times: dict[int, list[float]] = {c: [] for c in chunks}
+    first: dict[int, list[int]] = {}
+    for _ in range(args.engine_rounds):
+        for c, llm in llms.items():
+            llm.reset_prefix_cache()
+            t0 = time.perf_counter()
+            out = llm.generate([prompt], one)[0]
+            times[c].append(time.perf_counter() - t0)
+            first[c] = out.token_ids
+    base = chunks[-1]
+    med = {c: statistics.median(times[c]) for c in chunks}
+
+    def choices(llm, c):
+        layer = llm.engine.model.model.layers[0]
+        b = autotune.PREFILL_TUNE_ROWS if c > autotune.MAX_TUNED_ROWS else autotune.bucket(c)
+        lins = {"qkv": layer.self_attn.qkv, "o": layer.self_attn.o}
+        lins.update(gate_up=layer.mlp.gate_up, down=layer.mlp.down)
+        return {name: lin.plan.get(b) for name, lin in lins.items()}
+
+    res = {
+        f"chunk {c}": {
+            "ttft_cold_s": round(med[c], 3),
+            "ttft_cold_all_s": [round(t, 3) for t in times[c]],
+            f"vs_chunk_{base}": round(med[base] / med[c], 3),
+            "gemm_choices": choices(llms[c], c),
+            "same_first_token": first[c] == first[base],
+        }
+        for c in chunks
+    }
+    # is the 512-row measurement's winner also the winner at 2,048 rows?
+    from kvmesh.kernels.cpu_linear import PackedLinear
+
+    rows = {}
+    for name, (N, K) in SHAPES.items():
+        w = torch.randn(N, K)
+        lins = {
+            m: PackedLinear(w, tuner=autotune.GemmTuner(None, mode=m)) for m in ("linear", "onednn")
+        }
+        for M in (512, 2048):
+            x = torch.randn(M, K)
+            t = interleaved({m: (lambda lin=lin, x=x: lin(x)) for m, lin in lins.items()}, 5)
+            rows[f"{name} {M}x{K}->{N}"] = {
+                **{f"{m}_ms": round(v * 1e3, 2) for m, v in t.items()},
+                "onednn_vs_linear": round(t["linear"] / t["onednn"], 2),
+                "best_gflops": round(2 * M * K * N / min(t.values()) / 1e9, 1),
+            }
+    res["gemm_512_vs_2048_rows"] = rows
+    res["profile"] = _prefill_shares(llms[base], prompt)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--parts", default="gemm,bandwidth,decode,quantize")
@@ -231,6 +340,8 @@ def main() -> None:
     ap.add_argument("--engine-prompts", type=int, default=16)
     ap.add_argument("--engine-tokens", type=int, default=32)
     ap.add_argument("--engine-rounds", type=int, default=2)
+    ap.add_argument("--prefill-chunks", default="512,1024,2048", help="prefill: chunk sizes")
+    ap.add_argument("--prefill-tokens", type=int, default=2048, help="prefill: prompt tokens")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -253,6 +364,8 @@ def main() -> None:
         res["quantize"] = bench_quantize(args.rounds, lib)
     if "engine" in parts:
         res["engine"] = bench_engine(args)
+    if "prefill" in parts:
+        res["prefill"] = bench_prefill(args)
     res["loadavg_at_end"] = round(os.getloadavg()[0], 2)
     print(json.dumps(res, indent=1))
 

@@ -16,9 +16,12 @@ more than ``MAX_TUNED_ROWS`` (256) rows run ``F.linear`` untuned (no candidate t
 bit-equal and faster, and timing MKL packed on a large weight at 2048 rows took most of a
 minute); in ``auto`` mode they race ``F.linear`` against oneDNN only (``PREFILL_CANDIDATES``:
 MKL packed multiplies 32 rows at a time and is not made for prefill sizes), which on the
-2-core EPYC was 1.0-1.6x faster than ``F.linear`` at prefill shapes (loaded machine). A
-bucket is measured the first time a product of that size runs: every candidate on the real
-weight, interleaved in rounds (7, or 3 once they took 0.25 s), median time, fastest wins.
+2-core EPYC was 1.0-1.6x faster than ``F.linear`` at prefill shapes (loaded machine). The
+engine chooses every bucket it will run when it starts (``cpu_linear.warm_up``), so no
+request waits on a measurement or sees a GEMM change mid-way; a bucket outside what it
+announced is chosen the first time a product of that size runs. A measurement times every
+candidate on the real weight, interleaved in rounds (7, or 3 once they took 0.25 s), median
+time, fastest wins.
 The choice is cached in memory (every layer shares a shape) and on disk, in
 ``$KVMESH_AUTOTUNE_DIR/gemm.json`` (default ``<cache_dir>/autotune``), keyed by the CPU
 model, its flags, the torch version, the thread count, the environment variables that cap

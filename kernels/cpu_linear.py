@@ -69,6 +69,7 @@ class PackedLinear:
         self.packed = None  # MKL's packed copy, made on first use
         self.onednn_weight = None  # oneDNN's reordered copy, made on first use
         self._plans: dict[int, dict[int, str]] = {}  # threads -> row bucket -> candidate
+        self._tuning = False  # inside tune()
 
     @property
     def tuner(self) -> autotune.GemmTuner:
@@ -93,11 +94,18 @@ class PackedLinear:
 
     # ------------------------------------------------------------------ candidates
 
-    def _mkl(self, x: torch.Tensor) -> torch.Tensor:
+    def _pack_mkl(self) -> None:
         if self.packed is None:
             self.packed = torch.ops.mkl._mkl_reorder_linear_weight(
                 self.weight.contiguous(), self.pack_rows
             )
+
+    def _pack_onednn(self) -> None:
+        if self.onednn_weight is None:
+            self.onednn_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.contiguous())
+
+    def _mkl(self, x: torch.Tensor) -> torch.Tensor:
+        self._pack_mkl()
         rows, pr = x.shape[0], self.pack_rows
         padded = -(-rows // pr) * pr
         if padded != rows:
@@ -113,8 +121,7 @@ class PackedLinear:
         return y[:rows]
 
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:
-        if self.onednn_weight is None:
-            self.onednn_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.contiguous())
+        self._pack_onednn()
         return torch.ops.mkldnn._linear_pointwise(
             x.contiguous(), self.onednn_weight, self.bias, "none", [], ""
         )
@@ -144,13 +151,41 @@ class PackedLinear:
             if len(cands) == 1 or (mode == "exact" and b > autotune.MAX_TUNED_ROWS):
                 got = "linear"
             else:
-                g = torch.Generator().manual_seed(b)
-                x = torch.randn(b, self.weight.shape[1], generator=g)
-                calls = {n: (lambda f=f: f(x)) for n, f in cands.items()}
+                made: list[torch.Tensor] = []  # the tuning input, made only if measured
+
+                def x() -> torch.Tensor:
+                    if not made:
+                        g = torch.Generator().manual_seed(b)
+                        made.append(torch.randn(b, self.weight.shape[1], generator=g))
+                    return made[0]
+
+                calls = {n: (lambda f=f: f(x())) for n, f in cands.items()}
                 got = self.tuner.choose(self.shape, b, calls, lambda n: self._exact(cands[n], b))
-                self._drop_unused(got)
+                if not self._tuning:  # tune() drops them once, after its last bucket
+                    self._drop_unused(got)
             plan[b] = got
         return got
+
+    def tune(self, max_rows: int) -> None:
+        """Choose the GEMM of every row bucket a product of up to ``max_rows`` rows falls in
+        (measured, or read from the tuner's cache) and make the packed copies the choices
+        run, so no request pays for either (``warm_up``)."""
+        if not self.tunable:
+            return
+        self._tuning = True  # keep the packed copies across buckets: one reorder, not one each
+        try:
+            for b in autotune.BUCKETS:
+                self._choose(b)
+                if b >= max_rows:
+                    break
+        finally:
+            self._tuning = False
+        self._drop_unused(None)
+        used = set(self.plan.values())
+        if "mkl" in used:
+            self._pack_mkl()
+        if "onednn" in used:
+            self._pack_onednn()
 
     def _exact(self, f, b: int) -> bool:
         """Whether candidate ``f`` equals ``F.linear`` bit for bit at every row count of
@@ -165,7 +200,7 @@ class PackedLinear:
                 return False
         return True
 
-    def _drop_unused(self, chosen: str) -> None:
+    def _drop_unused(self, chosen: str | None) -> None:
         """Free the packed copies tuning made that no bucket runs (re-made if one does)."""
         used = {c for p in self._plans.values() for c in p.values()} | {chosen}
         if "mkl" not in used:
@@ -183,3 +218,53 @@ class PackedLinear:
         if choice == "onednn":
             return self._onednn(x)
         return self._linear(x)
+
+
+def warm_up(linears: list[tuple[PackedLinear, int]]) -> dict:
+    """Tune each ``(layer, max_rows)`` over every row bucket up to ``max_rows`` before any
+    request runs (the engine calls it at start): what the tuner's cache holds costs nothing,
+    what it lacks is measured here, one shape at a time, with a progress line per shape and a
+    summary. A product of more rows than announced still tunes its bucket when it first runs.
+    Returns ``{"choices", "measured", "seconds"}``."""
+    import time
+
+    log = autotune.log
+    todo = [(lin, rows) for lin, rows in linears if lin.tunable and rows > 0]
+    if not todo:
+        return {"choices": 0, "measured": 0, "seconds": 0.0}
+    tuners = {id(lin.tuner): lin.tuner for lin, _ in todo}
+    before = sum(t.measured for t in tuners.values())
+    t0 = time.monotonic()
+    by_shape: dict[tuple, list[tuple[PackedLinear, int]]] = {}
+    for lin, rows in todo:
+        by_shape.setdefault((lin.shape, rows), []).append((lin, rows))
+    modes = ",".join(sorted({t.mode for t in tuners.values()}))
+    for i, ((shape, rows), group) in enumerate(by_shape.items(), 1):
+        n0, t1 = sum(t.measured for t in tuners.values()), time.monotonic()
+        for lin, r in group:
+            lin.tune(r)
+        n = sum(t.measured for t in tuners.values()) - n0
+        if n:  # progress only when something was measured: a cached start stays quiet
+            plan = group[0][0].plan
+            log.info(
+                "GEMM warm-up %d/%d: %s up to %d rows: %s (%d measured, %.1f s)",
+                i,
+                len(by_shape),
+                autotune._name(shape),
+                rows,
+                ", ".join(f"{b}:{c}" for b, c in sorted(plan.items())),
+                n,
+                time.monotonic() - t1,
+            )
+    measured = sum(t.measured for t in tuners.values()) - before
+    choices = sum(len(g[0][0].plan) for g in by_shape.values())
+    seconds = time.monotonic() - t0
+    log.info(
+        "GEMM warm-up (%s): %d choices for %d shapes, %d measured, %.1f s",
+        modes,
+        choices,
+        len(by_shape),
+        measured,
+        seconds,
+    )
+    return {"choices": choices, "measured": measured, "seconds": round(seconds, 3)}

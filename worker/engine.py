@@ -219,6 +219,9 @@ class LLMEngine:
 
             mode = autotune.engine_mode(self.layout.quantized)
             self.model.set_gemm_tuner(autotune.default_tuner(mode))
+            from kvmesh.kernels.cpu_linear import warm_up  # measure now, not in a request
+
+            warm_up(self.model.gemm_rows(max_num_batched_tokens, max_num_seqs))
         # per-request KV budgets (worker/eviction): the runner's backend also shows the
         # requests that ask their attention weights
         self.eviction = EvictionManager(

@@ -106,3 +106,42 @@ def test_half_precision_models_and_caches_run(smol_llm):
         assert {v.dtype for v in eng.memory.layer_caches[0].views.values()} == {stored}, kwargs
         out = llm.generate(text, params)[0]
         assert "Paris" in out.text, (kwargs, out.text)
+
+
+def test_onednn_at_every_bucket_including_prefill_matches_transformers(hf_smol, shakespeare):
+    """Under ``auto`` over a float cache the engine may pick oneDNN (which rounds differently
+    from F.linear) for every row bucket, prefill-sized ones (> 256 rows) included. Forced so
+    here, deterministically (a tuner whose timer calls oneDNN fastest), greedy outputs still
+    equal transformers' token for token in fp32, and oneDNN really ran the prefill chunks."""
+    from kvmesh.kernels import autotune
+    from kvmesh.kernels.cpu_linear import PackedLinear
+    from kvmesh.worker import LLM
+
+    def onednn_fastest(fns, rounds):
+        return {n: (1.0 if n == "onednn" else 2.0) for n in fns}
+
+    llm = LLM("smollm2-135m-instruct", kv_cache_memory="128MiB", max_num_batched_tokens=512)
+    model = llm.engine.model
+    model.set_gemm_tuner(autotune.GemmTuner(None, mode="auto", timer=onednn_fastest))
+    rows_by_onednn: list[int] = []
+    real = PackedLinear._onednn
+
+    def spy(self, x):
+        rows_by_onednn.append(x.shape[0])
+        return real(self, x)
+
+    PackedLinear._onednn = spy
+    try:
+        # one prefill step of 314 rows (bucket 512, past MAX_TUNED_ROWS), then decode steps
+        prompts = text_prompts(llm.tokenizer, shakespeare, [24, 290])
+        params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+        outs = llm.generate(prompts, params)
+    finally:
+        PackedLinear._onednn = real
+    plans = [lin.plan for lin in model._packed()]
+    assert all(set(p.values()) == {"onednn"} for p in plans), plans[:2]
+    layer_buckets = set().union(*(p for p in plans[1:]))
+    assert {2, autotune.PREFILL_TUNE_ROWS} <= layer_buckets  # decode (2 rows) and prefill
+    assert max(rows_by_onednn) == 314  # the whole prefill step went through oneDNN
+    for ids, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(hf_smol, ids, 10), f"prompt of {len(ids)} tokens"

@@ -10,7 +10,7 @@ import torch
 
 from kvmesh.kernels import autotune
 from kvmesh.kernels.autotune import GemmTuner
-from kvmesh.kernels.cpu_linear import PackedLinear
+from kvmesh.kernels.cpu_linear import PackedLinear, warm_up
 
 
 class FakeTimer:
@@ -28,6 +28,18 @@ def _run(tuner, rows=16):
     lin = PackedLinear(torch.randn(48, 32), tuner=tuner)
     lin(torch.randn(rows, 32))
     return lin
+
+
+def _run_via(via, tuner, rows=16):
+    """A product of ``rows`` rows (``call``), or the engine's start-up warm-up up to that many
+    rows (``warm_up``): the two ways a bucket is chosen; both read and write the cache alike.
+    Returns the layer and the chosen plan of the bucket of ``rows``."""
+    if via == "call":
+        lin = _run(tuner, rows)
+    else:
+        lin = PackedLinear(torch.randn(48, 32), tuner=tuner)
+        warm_up([(lin, rows)])
+    return lin, lin.plan[autotune.bucket(rows)]
 
 
 def test_choice_is_measured_once_then_read_from_disk(tmp_path, caplog):
@@ -51,7 +63,8 @@ def test_choice_is_measured_once_then_read_from_disk(tmp_path, caplog):
     "field,value",
     [("flags", "0123456789abcdef"), ("cpu", "Another CPU"), ("torch", "1.0.0"), ("format", 0)],
 )
-def test_foreign_or_stale_entries_are_remeasured_and_kept(tmp_path, field, value):
+@pytest.mark.parametrize("via", ["call", "warm_up"])
+def test_foreign_or_stale_entries_are_remeasured_and_kept(tmp_path, field, value, via):
     path = tmp_path / "gemm.json"
     _run(GemmTuner(path, timer=FakeTimer("mkl")))
     data = json.loads(path.read_text())
@@ -62,10 +75,10 @@ def test_foreign_or_stale_entries_are_remeasured_and_kept(tmp_path, field, value
         entry["machine"][field] = value  # copied from another machine / torch
     path.write_text(json.dumps(data))
     timer = FakeTimer("onednn")
-    assert _run(GemmTuner(path, timer=timer)).plan == {16: "onednn"}
-    assert timer.calls == 1
+    assert _run_via(via, GemmTuner(path, timer=timer), rows=9)[1] == "onednn"
+    assert timer.calls == (1 if via == "call" else 5)  # warm-up: buckets 1, 2, 4, 8, 16
     entries = json.loads(path.read_text())["entries"]
-    choices = sorted(e["choice"] for e in entries)
+    choices = sorted(e["choice"] for e in entries if e["rows"] == 16)
     if field == "format":
         assert choices == ["onednn"]  # the stale entry of this machine is replaced
     else:
@@ -75,13 +88,14 @@ def test_foreign_or_stale_entries_are_remeasured_and_kept(tmp_path, field, value
 @pytest.mark.parametrize(
     "text", ["{not json", '{"entries": 3}', '{"format": 1}', "[1, 2]", '{"entries": [1]}']
 )
-def test_corrupt_cache_is_ignored_with_a_warning_and_rewritten(tmp_path, caplog, text):
+@pytest.mark.parametrize("via", ["call", "warm_up"])
+def test_corrupt_cache_is_ignored_with_a_warning_and_rewritten(tmp_path, caplog, text, via):
     path = tmp_path / "gemm.json"
     path.write_text(text)
     timer = FakeTimer("onednn")
     with caplog.at_level(logging.WARNING, logger="kvmesh.kernels.autotune"):
-        assert _run(GemmTuner(path, timer=timer)).plan == {16: "onednn"}
-    assert timer.calls == 1
+        assert _run_via(via, GemmTuner(path, timer=timer))[1] == "onednn"
+    assert timer.calls == (1 if via == "call" else 5)
     msgs = [r.getMessage() for r in caplog.records]
     assert any("unreadable" in m and str(path) in m for m in msgs)
     assert json.loads(path.read_text())["entries"][0]["choice"] == "onednn"
@@ -164,8 +178,9 @@ def test_engine_mode_is_auto_for_float_caches_exact_for_quantized_unless_set(mon
 
 def test_engine_sets_its_layers_tuner_by_kv_format(smol_src, monkeypatch):
     """An fp32-cache engine's projections race oneDNN (auto), an int8-cache engine's keep
-    bit-equality with F.linear (exact): one process, two engines, two tuners."""
-    from kvmesh.worker import LLM
+    bit-equality with F.linear (exact): one process, two engines, two tuners, each tuned at
+    start; a restart reads every choice from the cache file."""
+    from kvmesh.worker import LLM, SamplingParams
 
     monkeypatch.delenv("KVMESH_GEMM", raising=False)
     modes = {}
@@ -175,8 +190,18 @@ def test_engine_sets_its_layers_tuner_by_kv_format(smol_src, monkeypatch):
         tuners = {id(lin.tuner) for lin in model._packed()}
         assert len(tuners) == 1 and len(model._packed()) == 4 * len(model.model.layers) + 1
         modes[fmt] = model.head.tuner.mode
+        # chosen at start (warm-up): the head up to max_num_seqs (128) rows, the projections
+        # up to the step budget (2,048: one 512-row measurement in auto, F.linear in exact)
+        top = 512 if fmt == "auto" else 2048
+        assert max(model.head.plan) == 128 and all(max(x.plan) == top for x in model._packed()[1:])
         del llm
     assert modes == {"auto": "auto", "int8": "exact"}
+    # a second start with gemm.json written (a fresh process tuner) measures nothing, and
+    # neither does a request
+    autotune.reset_default_tuners()
+    llm = LLM("smollm2-135m-instruct", kv_cache_memory="32MiB")
+    llm.generate("Hello there", SamplingParams(temperature=0, max_tokens=2))
+    assert llm.engine.model.head.tuner.measured == 0
 
 
 def test_plan_is_kept_per_thread_count():
@@ -252,3 +277,47 @@ def test_concurrent_processes_lose_no_entries(tmp_path):
         p.join(120)
     assert [p.exitcode for p in procs] == [0, 0, 0]
     assert len(json.loads(path.read_text())["entries"]) == 12
+
+
+def test_warm_up_measures_each_shape_once_and_prepacks_what_it_chose(tmp_path, caplog):
+    """The engine's start-up warm-up: every bucket up to each layer's row limit is chosen
+    before any product runs (layers of one shape share the measurement), the packed copies
+    the choices need are made, and progress is logged per shape; the next start, with the
+    cache file written, measures nothing and logs only its summary line."""
+    path = tmp_path / "gemm.json"
+    timer = FakeTimer("onednn")
+    tuner = GemmTuner(path, timer=timer)
+    same = [PackedLinear(torch.randn(48, 32), tuner=tuner) for _ in range(3)]
+    head = PackedLinear(torch.randn(80, 32), tuner=tuner)
+    with caplog.at_level(logging.INFO, logger="kvmesh.kernels.autotune"):
+        got = warm_up([(lin, 600) for lin in same] + [(head, 4)])
+    # 48-wide: buckets 1..256 and one 512-row measurement standing for 512..2048; head 1, 2, 4
+    assert timer.calls == tuner.measured == 10 + 3 == got["measured"]
+    assert all(lin.plan == same[0].plan for lin in same) and len(same[0].plan) == 10
+    assert max(same[0].plan) == autotune.PREFILL_TUNE_ROWS and sorted(head.plan) == [1, 2, 4]
+    assert all(lin.onednn_weight is not None and lin.packed is None for lin in [*same, head])
+    msgs = [r.getMessage() for r in caplog.records]
+    assert sum("GEMM warm-up 1/2" in m or "GEMM warm-up 2/2" in m for m in msgs) == 2
+    assert "13 measured" in msgs[-1]
+    # products after the warm-up measure nothing, whatever their size within the limits
+    for rows in (1, 3, 200, 600):
+        same[1](torch.randn(rows, 32))
+    assert timer.calls == 13
+    # a second start (fresh tuner, the same file): every choice from the cache, no progress
+    caplog.clear()
+    again = FakeTimer("linear")
+    fresh = [PackedLinear(torch.randn(48, 32), tuner=GemmTuner(path, timer=again))]
+    with caplog.at_level(logging.INFO, logger="kvmesh.kernels.autotune"):
+        got = warm_up([(fresh[0], 600)])
+    assert again.calls == 0 and got["measured"] == 0 and fresh[0].plan == same[0].plan
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 1 and "0 measured" in msgs[0]
+
+
+def test_warm_up_in_exact_mode_leaves_prefill_sizes_on_f_linear_untimed(tmp_path):
+    timer = FakeTimer("linear")
+    lin = PackedLinear(torch.randn(48, 32), tuner=GemmTuner(None, mode="exact", timer=timer))
+    warm_up([(lin, 2048)])
+    assert timer.calls == 9  # 1..256
+    assert lin.plan[512] == lin.plan[1024] == lin.plan[2048] == "linear"
+    assert lin.packed is None and lin.onednn_weight is None

@@ -206,6 +206,13 @@ class LlamaForCausalLM(nn.Module):
         for lin in self._packed():
             lin.use_tuner(tuner)
 
+    def gemm_rows(self, max_tokens: int, max_seqs: int) -> list[tuple[PackedLinear, int]]:
+        """Each GEMM layer and the most rows a step gives it: the projections up to the
+        step's token budget, the LM head up to one row per sequence (for
+        ``kernels.cpu_linear.warm_up``)."""
+        head = min(max_tokens, max_seqs)
+        return [(lin, head if lin is self.head else max_tokens) for lin in self._packed()]
+
     def _packed(self) -> list[PackedLinear]:
         out = [self.head] if self.head is not None else []
         for layer in self.model.layers:
