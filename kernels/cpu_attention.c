@@ -120,6 +120,77 @@ static inline void finish_softmax(const float *acc, const float *l, float *out, 
     }
 }
 
+/* Work items. A sequence is one item when there are at least two sequences per thread;
+ * with fewer, each sequence's pages are cut into S parts (items of their own) so every thread
+ * has work, each part ends with its online-softmax state (unnormalised accumulators, max,
+ * sum) in a buffer of PART_FLOATS, and the parts of a sequence are merged at the end. */
+#define PART_FLOATS(Hq, D) ((Hq) * (D) + 2 * (Hq))
+
+static int64_t seq_parts(int64_t B, int num_threads, const int64_t *context_lens, int64_t bs,
+                         int64_t window) {
+    if (num_threads <= 1 || B >= 2 * num_threads) return 1;
+    int64_t span = 0; /* the most keys a sequence reads */
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t L = context_lens[b], n = (window > 0 && L > window) ? window : L;
+        span = n > span ? n : span;
+    }
+    const int64_t S = (2 * num_threads + B - 1) / B, cap = span / (4 * bs); /* >= 4 pages */
+    return S < cap ? S : (cap > 1 ? cap : 1);
+}
+
+/* Part p of S of the pages [first, last]: [*pa, *pb], empty when *pa > *pb. */
+static inline void part_range(int64_t first, int64_t last, int64_t p, int64_t S, int64_t *pa,
+                              int64_t *pb) {
+    const int64_t n = last - first + 1;
+    *pa = first + n * p / S;
+    *pb = first + n * (p + 1) / S - 1;
+}
+
+/* A sequence's (or part's) end: the normalised output into ob, or with part != NULL its
+ * state into part. */
+static inline void end_part(const float *acc, const float *m, const float *l, float *ob,
+                            float *part, int64_t Hq, int64_t D) {
+    if (part == NULL) {
+        finish_softmax(acc, l, ob, Hq, D);
+        return;
+    }
+    memcpy(part, acc, sizeof(float) * Hq * D);
+    memcpy(part + Hq * D, m, sizeof(float) * Hq);
+    memcpy(part + Hq * D + Hq, l, sizeof(float) * Hq);
+}
+
+/* out (Hq, D) of one sequence from its S parts' states */
+static void merge_parts(const float *parts, int64_t S, float *ob, int64_t Hq, int64_t D) {
+    const int64_t n = PART_FLOATS(Hq, D);
+    for (int64_t g = 0; g < Hq; g++) {
+        float M = -INFINITY, sum = 0.0f;
+        for (int64_t p = 0; p < S; p++) M = fmaxf(M, parts[p * n + Hq * D + g]);
+        float *o = ob + g * D;
+        memset(o, 0, sizeof(float) * D);
+        for (int64_t p = 0; p < S; p++) {
+            const float *ps = parts + p * n;
+            if (ps[Hq * D + g] == -INFINITY) continue; /* an empty part */
+            const float w = expf(ps[Hq * D + g] - M);
+            sum += w * ps[Hq * D + Hq + g];
+            for (int64_t d = 0; d < D; d++) o[d] += w * ps[g * D + d];
+        }
+        const float inv = 1.0f / sum;
+        for (int64_t d = 0; d < D; d++) o[d] *= inv;
+    }
+}
+
+/* Every split sequence's output from its parts; frees parts (NULL: nothing was split). */
+static void merge_all(float *parts, int64_t S, const int64_t *context_lens, int64_t window,
+                      float *out, int64_t B, int64_t Hq, int64_t D, int failed) {
+    if (parts == NULL) return;
+    for (int64_t b = 0; b < B && !failed; b++) {
+        const int64_t L = context_lens[b];
+        if (L > ((window > 0 && L > window) ? L - window : 0))
+            merge_parts(parts + b * S * PART_FLOATS(Hq, D), S, out + b * Hq * D, Hq, D);
+    }
+    free(parts);
+}
+
 /* Online softmax over one page's scores s (Hq, bs), nt valid: turns them into weights
  * relative to the running max m and rescales the accumulators when the max moves. */
 static inline void fold_page(float *s, float *acc, float *m, float *l, int64_t Hq, int64_t D,
@@ -245,13 +316,12 @@ static inline int vec_ok(int64_t D) { return VEC_PATH && D % VW == 0 && D <= VW 
 /* Float pages: walk a sequence's pages in place. */
 #define DEFINE_SEQ(NAME, T, SUFFIX)                                                           \
     static void NAME(const float *qb, const T *k_cache, const T *v_cache,                    \
-                     const int64_t *table, int64_t lo, int64_t L, float *ob, int64_t Hq,     \
-                     int64_t Hkv, int64_t D, int64_t bs, int64_t page_stride, float scale,   \
-                     float *work) {                                                          \
+                     const int64_t *table, int64_t lo, int64_t L, int64_t first,             \
+                     int64_t last, float *ob, float *part, int64_t Hq, int64_t Hkv,          \
+                     int64_t D, int64_t bs, int64_t page_stride, float scale, float *work) { \
         const int64_t row = Hkv * D;                                                         \
         float *s = work, *acc = s + Hq * bs, *m = acc + Hq * D, *l = m + Hq;                 \
         start_softmax(acc, m, l, Hq, D);                                                     \
-        const int64_t first = lo / bs, last = (L - 1) / bs;                                  \
         for (int64_t pg = first; pg <= last; pg++) {                                         \
             const int64_t t0 = pg * bs > lo ? pg * bs : lo;                                  \
             const int64_t t1 = (pg + 1) * bs < L ? (pg + 1) * bs : L;                        \
@@ -262,7 +332,7 @@ static inline int vec_ok(int64_t D) { return VEC_PATH && D % VW == 0 && D <= VW 
             const T *nv = pg < last ? v_cache + table[pg + 1] * page_stride : NULL;          \
             PAGE_STEP(SUFFIX, kp, vp, nk, nv, nt);                                           \
         }                                                                                    \
-        finish_softmax(acc, l, ob, Hq, D);                                                   \
+        end_part(acc, m, l, ob, part, Hq, D);                                                \
     }
 DEFINE_SEQ(seq_f32, float, f32)
 DEFINE_SEQ(seq_bf16, uint16_t, bf16)
@@ -275,14 +345,18 @@ DEFINE_SEQ(seq_f16, _Float16, f16)
              int64_t Hkv, int64_t D, int64_t bs, int64_t page_stride, float scale,            \
              int64_t window, int num_threads) {                                               \
         int failed = 0;                                                                       \
+        const int64_t S = seq_parts(B, num_threads, context_lens, bs, window);                \
+        float *parts = NULL;                                                                  \
+        if (S > 1 && (parts = malloc(sizeof(float) * B * S * PART_FLOATS(Hq, D))) == NULL)    \
+            return 1;                                                                         \
         _Pragma("omp parallel num_threads(num_threads)") {                                   \
             float *work = malloc(sizeof(float) * WORK_FLOATS(Hq, D, bs));                     \
             if (work == NULL) {                                                               \
                 _Pragma("omp atomic write") failed = 1;                                       \
             }                                                                                 \
             _Pragma("omp for schedule(dynamic, 1)")                                          \
-            for (int64_t b = 0; b < B; b++) {                                                 \
-                const int64_t L = context_lens[b];                                            \
+            for (int64_t it = 0; it < B * S; it++) {                                          \
+                const int64_t b = it / S, L = context_lens[b];                                \
                 const int64_t lo = (window > 0 && L > window) ? L - window : 0;               \
                 float *ob = out + b * Hq * D;                                                 \
                 if (work == NULL) continue;                                                   \
@@ -290,11 +364,15 @@ DEFINE_SEQ(seq_f16, _Float16, f16)
                     memset(ob, 0, sizeof(float) * Hq * D);                                    \
                     continue;                                                                 \
                 }                                                                             \
+                int64_t pa, pb;                                                               \
+                part_range(lo / bs, (L - 1) / bs, it % S, S, &pa, &pb);                       \
                 seq_##SUFFIX(q + b * Hq * D, k_cache, v_cache, block_tables + b * P, lo, L,   \
-                             ob, Hq, Hkv, D, bs, page_stride, scale, work);                   \
+                             pa, pb, ob, S > 1 ? parts + it * PART_FLOATS(Hq, D) : NULL, Hq,  \
+                             Hkv, D, bs, page_stride, scale, work);                           \
             }                                                                                 \
             free(work);                                                                       \
         }                                                                                     \
+        merge_all(parts, S, context_lens, window, out, B, Hq, D, failed);                     \
         return failed;                                                                        \
     }
 
@@ -781,14 +859,13 @@ static inline int64_t quant_work_floats(int64_t Hq, int64_t Hkv, int64_t D, int6
 
 static void seq_quant(int fmt, const float *qb, const qpages *P, const float *res_k,
                       const float *res_v, int64_t slot, const int64_t *table, int64_t lo,
-                      int64_t L, float *ob, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs,
-                      float scale, float *work) {
+                      int64_t L, int64_t first, int64_t last, float *ob, float *part,
+                      int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale, float *work) {
     const int64_t row = Hkv * D;
     float *s = work, *acc = s + Hq * bs, *m = acc + Hq * D, *l = m + Hq;
     float *kb = l + Hq, *vb = kb + bs * row;
     float *kscr = vb + bs * row + Hq * D + Hq + D; /* 2 * row floats: int4's K scales, zeros */
     start_softmax(acc, m, l, Hq, D);
-    const int64_t first = lo / bs, last = (L - 1) / bs;
     const int64_t tail = (L % bs && slot >= 0) ? L / bs : -1; /* page read from the residual */
 #if VEC_PATH
     /* the fast int4 step: acc stays in split order while it runs (put back before a float
@@ -837,7 +914,7 @@ static void seq_quant(int fmt, const float *qb, const qpages *P, const float *re
 #if VEC_PATH
     if (split) unsplit_rows(acc, Hq, D, fscr);
 #endif
-    finish_softmax(acc, l, ob, Hq, D);
+    end_part(acc, m, l, ob, part, Hq, D);
 }
 
 /* fmt: QFMT_*. kz, vz: NULL for fp8/int8. res_k/res_v: (R, bs, Hkv, D) fp32; res_slots (B,)
@@ -857,6 +934,9 @@ int kvmesh_decode_attention_quant(int fmt, const float *q, const uint8_t *k, con
     }
     const qpages pages = {k, ks, kz, v, vs, vz, page_stride};
     int failed = 0;
+    const int64_t S = seq_parts(B, num_threads, context_lens, bs, window);
+    float *parts = NULL;
+    if (S > 1 && (parts = malloc(sizeof(float) * B * S * PART_FLOATS(Hq, D))) == NULL) return 1;
 #pragma omp parallel num_threads(num_threads)
     {
         /* + dequantized K and V of a page; int4's folded query, its zeros, codes, K scales */
@@ -866,8 +946,8 @@ int kvmesh_decode_attention_quant(int fmt, const float *q, const uint8_t *k, con
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t b = 0; b < B; b++) {
-            const int64_t L = context_lens[b];
+        for (int64_t it = 0; it < B * S; it++) {
+            const int64_t b = it / S, L = context_lens[b];
             const int64_t lo = (window > 0 && L > window) ? L - window : 0;
             float *ob = out + b * Hq * D;
             if (work == NULL) continue;
@@ -875,11 +955,16 @@ int kvmesh_decode_attention_quant(int fmt, const float *q, const uint8_t *k, con
                 memset(ob, 0, sizeof(float) * Hq * D);
                 continue;
             }
+            int64_t pa, pb;
+            part_range(lo / bs, (L - 1) / bs, it % S, S, &pa, &pb);
             seq_quant(fmt, q + b * Hq * D, &pages, res_k, res_v, res_slots[b],
-                      block_tables + b * P, lo, L, ob, Hq, Hkv, D, bs, scale, work);
+                      block_tables + b * P, lo, L, pa, pb, ob,
+                      S > 1 ? parts + it * PART_FLOATS(Hq, D) : NULL, Hq, Hkv, D, bs, scale,
+                      work);
         }
         free(work);
     }
+    merge_all(parts, S, context_lens, window, out, B, Hq, D, failed);
     return failed;
 }
 

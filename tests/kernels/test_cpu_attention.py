@@ -265,3 +265,27 @@ def test_build_is_cached_by_source_and_flags(tmp_path):
     )
     assert b != a
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([a.name, b.name])  # no temps
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4"])
+def test_few_long_sequences_split_over_threads(libraries, build, fmt):
+    """Fewer sequences than two per thread: the kernel cuts each sequence's pages into parts
+    (work items of their own, merged at the end). One and three sequences at 4 threads, tails
+    in the residual, windows cutting the first pages: equal to the torch twin."""
+    Hq, Hkv, D = 9, 3, 64
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        for lens in ([300], [301, 150, 77]):
+            sim = _sim(fmt, Hkv, D, [lens], seed=len(lens), num_pages=70, max_pages=20)
+            q = torch.randn(len(lens), Hq, D, generator=torch.Generator().manual_seed(len(lens)))
+            for window in (None, 130):
+                args = (_quant_args if sim.fmt in ("int8", "int4") else _args)(
+                    sim, q, 0.125, window
+                )
+                want = paged_decode_attention_torch(**args)
+                got = cpu_attention.paged_decode_attention_cpu(**args, library=libraries[build])
+                torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+    finally:
+        torch.set_num_threads(threads)
