@@ -12,7 +12,8 @@
  * Keys are positions [lo, L) with L = context_lens[b] and lo = L - window when a window is
  * set. Offsets are int64.
  *
- * One OpenMP work item is a sequence. It walks its pages once, in order: for a page it
+ * One OpenMP work item is a sequence (with fewer than two sequences per thread, a part of
+ * a sequence's pages: see seq_parts). It walks its pages once, in order: for a page it
  * scores all of the page's keys for every query head (a KV head's row is loaded once for its
  * G query heads), folds them into a per-head online softmax, and adds the page's V rows.
  * Each page's K and V rows are consumed while hot, and the next page's rows are prefetched
@@ -23,8 +24,8 @@
  * Quantized pages: fp8 and int8 (and int4 on scalar builds or head sizes off the vector
  * width) are dequantized a page at a time into a float scratch (a page of K and V: L1-sized
  * for small heads, not for large Hkv * D * bs) and run through the same float page step;
- * int4 on the vector builds folds its scales into q and the softmax weights instead (see the
- * section at the end).
+ * int4 on the vector builds folds its scales into q and the softmax weights instead (see
+ * page_int4_vec and, for D % 32 == 0, page_int4_fast).
  */
 #include <math.h>
 #include <stdint.h>
@@ -973,3 +974,29 @@ int kvmesh_cpu_abi(void) { return 3; }
 
 /* The vector path this build has: 512 (AVX-512), 256 (AVX2), 0 (scalar). */
 int kvmesh_cpu_attention_vectorized(void) { return VEC_PATH; }
+
+/* int4 pages keep V rotated by a normalised Hadamard matrix (kernels/quant.py): the backend
+ * rotates each new V row before writing it and the attention output back. x (n, D) float32
+ * -> out (n, D) (may be x): every `block` consecutive dims times the Hadamard matrix, then
+ * times `scale` (1 / sqrt(block)), with kernels.quant.hadamard_transform's butterflies in its
+ * order (stage h pairs dims i and i + h, h = 1, 2, 4, ...): bit-equal to it, without its ~30
+ * torch ops per call. */
+int kvmesh_hadamard_f32(const float *x, float *out, int64_t n, int64_t D, int64_t block,
+                        float scale, int num_threads) {
+    if (block < 1 || (block & (block - 1)) || D % block) return 2;
+    const int64_t rows = n * (D / block);
+#pragma omp parallel for num_threads(num_threads) if (rows * block >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        float *o = out + r * block;
+        if (o != x + r * block) memcpy(o, x + r * block, sizeof(float) * block);
+        for (int64_t h = 1; h < block; h *= 2)
+            for (int64_t i = 0; i < block; i += 2 * h)
+                for (int64_t j = i; j < i + h; j++) {
+                    const float a = o[j], b = o[j + h];
+                    o[j] = a + b;
+                    o[j + h] = a - b;
+                }
+        for (int64_t j = 0; j < block; j++) o[j] *= scale;
+    }
+    return 0;
+}
