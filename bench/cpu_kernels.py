@@ -8,6 +8,8 @@
 * ``decode``: one layer's paged decode attention (SmolLM2: 9 query heads, 3 KV heads, D=64,
   pages of 16) for B sequences of L tokens, fp32 pages in C, int4/int8 pages in C (fused
   dequant), and int4 through the torch path the engine used before (gather + dequant + SDPA);
+  ``--decode-shapes`` picks the B x L, ``--baseline-ref REV`` adds the C kernels of git
+  revision REV (fp32 and int4, same flags) as the "before" in the same run;
 * ``quantize``: full pages quantized into the pool, C vs the torch twin (+ scatter), per format;
 * ``engine``: SmolLM2 through the engine, ``--engine-prompts`` prompts of 128 tokens and
   ``--engine-tokens`` greedy tokens each, submitted together, for each KV cache format of
@@ -111,7 +113,29 @@ def _decode_setup(fmt, B, L, Hkv=3, D=64, bs=16):
     return views, tables, lens, res
 
 
-def bench_decode(rounds: int, lib, layers: int) -> dict:
+def baseline_library(ref: str, flags: tuple[str, ...]):
+    """The C kernels as they were at git revision ``ref``, built with the same flags: the
+    "before" of a kernel change, timed in the same run."""
+    import subprocess
+
+    from kvmesh.kernels import cpu_native
+
+    root = Path(__file__).resolve().parents[1]
+    src = Path(tempfile.mkdtemp(prefix="kvmesh-bench-base-"))
+    for f in cpu_native.SOURCES:
+        rel = f.relative_to(root).as_posix()
+        show = ["git", "-C", str(root), "show", f"{ref}:{rel}"]
+        (src / f.name).write_bytes(subprocess.run(show, capture_output=True, check=True).stdout)
+    sources = cpu_native.SOURCES
+    cpu_native.SOURCES = tuple(src / f.name for f in sources)
+    try:
+        path = cpu_native.compile_library(build_dir=src / "build", flags=flags)
+    finally:
+        cpu_native.SOURCES = sources
+    return cpu_native.CpuLibrary(path)
+
+
+def bench_decode(rounds: int, lib, layers: int, base=None, shapes=None) -> dict:
     """A decode step's attention over ``layers`` layers, each its own pool (as the engine's
     layers are): their KV together is past the L3 cache, so pages come from DRAM as they do
     in a step of the engine, not from a cache warmed by the call before."""
@@ -119,7 +143,7 @@ def bench_decode(rounds: int, lib, layers: int) -> dict:
     from kvmesh.kernels.decode_attention import paged_decode_attention_torch
 
     out = {}
-    for B, L in ((16, 512), (32, 1024), (1, 2048)):
+    for B, L in shapes or ((16, 512), (32, 1024), (1, 2048)):
         q = torch.randn(B, 9, 64)
         fns = {}
         for fmt in ("fp32", "int8", "int4"):
@@ -137,6 +161,13 @@ def bench_decode(rounds: int, lib, layers: int) -> dict:
                     paged_decode_attention_cpu(**kw, library=lib)
 
             fns[f"c_{fmt}"] = c
+            if base is not None and fmt != "int8":
+
+                def cb(kws=kws):
+                    for kw in kws:
+                        paged_decode_attention_cpu(**kw, library=base)
+
+                fns[f"base_c_{fmt}"] = cb
             if fmt == "int4":
 
                 def t(kws=kws):
@@ -149,6 +180,8 @@ def bench_decode(rounds: int, lib, layers: int) -> dict:
         row["c_int4_vs_c_fp32"] = round(t["c_fp32"] / t["c_int4"], 3)
         row["c_int8_vs_c_fp32"] = round(t["c_fp32"] / t["c_int8"], 3)
         row["c_int4_vs_torch_int4"] = round(t["torch_int4"] / t["c_int4"], 2)
+        if base is not None:
+            row["base_c_int4_vs_base_c_fp32"] = round(t["base_c_fp32"] / t["base_c_int4"], 3)
         kv_bytes = layers * 2 * B * L * 3 * 64 * 4
         row["c_fp32_kv_gb_s"] = round(kv_bytes / t["c_fp32"] / 1e9, 2)
         out[f"B={B} L={L} x{layers} layers"] = row
@@ -335,6 +368,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--layers", type=int, default=8, help="decode: layers (pools) a step reads")
+    ap.add_argument(
+        "--decode-shapes", default="16x512,32x1024,1x2048", help="decode: B x L, comma list"
+    )
+    ap.add_argument(
+        "--baseline-ref",
+        default=None,
+        help="decode: also time the C kernels of this git revision (e.g. HEAD~3), same flags",
+    )
+    ap.add_argument("--flags", default="native", choices=("native", "avx2", "portable"))
     ap.add_argument("--engine-formats", default="fp32,int4")
     ap.add_argument("--gemm-modes", default="exact")
     ap.add_argument("--engine-prompts", type=int, default=16)
@@ -347,8 +389,15 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     from kvmesh.kernels import cpu_native
 
+    flags = {
+        "native": cpu_native.NATIVE_FLAGS,
+        "avx2": cpu_native.AVX2_FLAGS,
+        "portable": cpu_native.PORTABLE_FLAGS,
+    }[args.flags]
     lib = cpu_native.CpuLibrary(
-        cpu_native.compile_library(build_dir=Path(tempfile.gettempdir()) / "kvmesh-bench-kernels")
+        cpu_native.compile_library(
+            build_dir=Path(tempfile.gettempdir()) / "kvmesh-bench-kernels", flags=flags
+        )
     )
     parts = args.parts.split(",")
     res = {"machine": machine_info(), "torch_threads": torch.get_num_threads()}
@@ -359,7 +408,10 @@ def main() -> None:
     if "bandwidth" in parts:
         res["bandwidth"] = bench_bandwidth(args.rounds)
     if "decode" in parts:
-        res["decode"] = bench_decode(args.rounds, lib, args.layers)
+        base = baseline_library(args.baseline_ref, flags) if args.baseline_ref else None
+        shapes = [tuple(map(int, x.split("x"))) for x in args.decode_shapes.split(",")]
+        res["decode"] = bench_decode(args.rounds, lib, args.layers, base, shapes)
+        res["decode_baseline_ref"] = args.baseline_ref
     if "quantize" in parts:
         res["quantize"] = bench_quantize(args.rounds, lib)
     if "engine" in parts:

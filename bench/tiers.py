@@ -37,8 +37,8 @@ import time
 from pathlib import Path
 
 from machine import machine_info
-from redis_tier import start_redis  # bench/ is sys.path[0] when run as a script
 
+from kvmesh.cluster.calibrate import redis_url_for
 from kvmesh.kvstore.redis_tier import redis_throughput
 from kvmesh.worker import LLM, SamplingParams
 
@@ -229,12 +229,8 @@ def main() -> None:
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     text = TEXT.read_text()
-    proc = tmp = None
-    url = args.redis_url
-    if url is None:
-        proc, url, tmp = start_redis()
     out: dict = {"model": MODEL}
-    try:
+    with redis_url_for(args.redis_url) as url:  # a throwaway loopback redis-server if None
         if "ttft" not in skip:
             out["ttft"] = bench_ttft(args, text, url)
         if "conversations" not in skip:
@@ -242,11 +238,6 @@ def main() -> None:
         if "redis" not in skip:
             out["redis_tier"] = redis_throughput(url, 64, 737_280)
         out["loadavg_1m"] = os.getloadavg()[0]
-    finally:
-        if proc is not None:
-            proc.kill()
-            proc.wait()
-            tmp.cleanup()
     out["machine"] = machine_info()  # CPU model and SIMD flags
     print(json.dumps(out, indent=1))
 

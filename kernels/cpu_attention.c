@@ -12,7 +12,8 @@
  * Keys are positions [lo, L) with L = context_lens[b] and lo = L - window when a window is
  * set. Offsets are int64.
  *
- * One OpenMP work item is a sequence. It walks its pages once, in order: for a page it
+ * One OpenMP work item is a sequence (with fewer than two sequences per thread, a part of
+ * a sequence's pages: see seq_parts). It walks its pages once, in order: for a page it
  * scores all of the page's keys for every query head (a KV head's row is loaded once for its
  * G query heads), folds them into a per-head online softmax, and adds the page's V rows.
  * Each page's K and V rows are consumed while hot, and the next page's rows are prefetched
@@ -23,8 +24,8 @@
  * Quantized pages: fp8 and int8 (and int4 on scalar builds or head sizes off the vector
  * width) are dequantized a page at a time into a float scratch (a page of K and V: L1-sized
  * for small heads, not for large Hkv * D * bs) and run through the same float page step;
- * int4 on the vector builds folds its scales into q and the softmax weights instead (see the
- * section at the end).
+ * int4 on the vector builds folds its scales into q and the softmax weights instead (see
+ * page_int4_vec and, for D % 32 == 0, page_int4_fast).
  */
 #include <math.h>
 #include <stdint.h>
@@ -120,6 +121,77 @@ static inline void finish_softmax(const float *acc, const float *l, float *out, 
     }
 }
 
+/* Work items. A sequence is one item when there are at least two sequences per thread;
+ * with fewer, each sequence's pages are cut into S parts (items of their own) so every thread
+ * has work, each part ends with its online-softmax state (unnormalised accumulators, max,
+ * sum) in a buffer of PART_FLOATS, and the parts of a sequence are merged at the end. */
+#define PART_FLOATS(Hq, D) ((Hq) * (D) + 2 * (Hq))
+
+static int64_t seq_parts(int64_t B, int num_threads, const int64_t *context_lens, int64_t bs,
+                         int64_t window) {
+    if (num_threads <= 1 || B >= 2 * num_threads) return 1;
+    int64_t span = 0; /* the most keys a sequence reads */
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t L = context_lens[b], n = (window > 0 && L > window) ? window : L;
+        span = n > span ? n : span;
+    }
+    const int64_t S = (2 * num_threads + B - 1) / B, cap = span / (4 * bs); /* >= 4 pages */
+    return S < cap ? S : (cap > 1 ? cap : 1);
+}
+
+/* Part p of S of the pages [first, last]: [*pa, *pb], empty when *pa > *pb. */
+static inline void part_range(int64_t first, int64_t last, int64_t p, int64_t S, int64_t *pa,
+                              int64_t *pb) {
+    const int64_t n = last - first + 1;
+    *pa = first + n * p / S;
+    *pb = first + n * (p + 1) / S - 1;
+}
+
+/* A sequence's (or part's) end: the normalised output into ob, or with part != NULL its
+ * state into part. */
+static inline void end_part(const float *acc, const float *m, const float *l, float *ob,
+                            float *part, int64_t Hq, int64_t D) {
+    if (part == NULL) {
+        finish_softmax(acc, l, ob, Hq, D);
+        return;
+    }
+    memcpy(part, acc, sizeof(float) * Hq * D);
+    memcpy(part + Hq * D, m, sizeof(float) * Hq);
+    memcpy(part + Hq * D + Hq, l, sizeof(float) * Hq);
+}
+
+/* out (Hq, D) of one sequence from its S parts' states */
+static void merge_parts(const float *parts, int64_t S, float *ob, int64_t Hq, int64_t D) {
+    const int64_t n = PART_FLOATS(Hq, D);
+    for (int64_t g = 0; g < Hq; g++) {
+        float M = -INFINITY, sum = 0.0f;
+        for (int64_t p = 0; p < S; p++) M = fmaxf(M, parts[p * n + Hq * D + g]);
+        float *o = ob + g * D;
+        memset(o, 0, sizeof(float) * D);
+        for (int64_t p = 0; p < S; p++) {
+            const float *ps = parts + p * n;
+            if (ps[Hq * D + g] == -INFINITY) continue; /* an empty part */
+            const float w = expf(ps[Hq * D + g] - M);
+            sum += w * ps[Hq * D + Hq + g];
+            for (int64_t d = 0; d < D; d++) o[d] += w * ps[g * D + d];
+        }
+        const float inv = 1.0f / sum;
+        for (int64_t d = 0; d < D; d++) o[d] *= inv;
+    }
+}
+
+/* Every split sequence's output from its parts; frees parts (NULL: nothing was split). */
+static void merge_all(float *parts, int64_t S, const int64_t *context_lens, int64_t window,
+                      float *out, int64_t B, int64_t Hq, int64_t D, int failed) {
+    if (parts == NULL) return;
+    for (int64_t b = 0; b < B && !failed; b++) {
+        const int64_t L = context_lens[b];
+        if (L > ((window > 0 && L > window) ? L - window : 0))
+            merge_parts(parts + b * S * PART_FLOATS(Hq, D), S, out + b * Hq * D, Hq, D);
+    }
+    free(parts);
+}
+
 /* Online softmax over one page's scores s (Hq, bs), nt valid: turns them into weights
  * relative to the running max m and rescales the accumulators when the max moves. */
 static inline void fold_page(float *s, float *acc, float *m, float *l, int64_t Hq, int64_t D,
@@ -127,11 +199,13 @@ static inline void fold_page(float *s, float *acc, float *m, float *l, int64_t H
     for (int64_t g = 0; g < Hq; g++) {
         float *sg = s + g * bs;
         float mx = m[g];
+#pragma omp simd reduction(max : mx)
         for (int64_t j = 0; j < nt; j++) mx = sg[j] > mx ? sg[j] : mx;
         const float corr = expf(m[g] - mx); /* 0 on the first page: m = -inf */
 #pragma omp simd
         for (int64_t j = 0; j < nt; j++) sg[j] = expf(sg[j] - mx); /* libmvec: vectorised */
         float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
         for (int64_t j = 0; j < nt; j++) sum += sg[j];
         l[g] = l[g] * corr + sum;
         m[g] = mx;
@@ -243,13 +317,12 @@ static inline int vec_ok(int64_t D) { return VEC_PATH && D % VW == 0 && D <= VW 
 /* Float pages: walk a sequence's pages in place. */
 #define DEFINE_SEQ(NAME, T, SUFFIX)                                                           \
     static void NAME(const float *qb, const T *k_cache, const T *v_cache,                    \
-                     const int64_t *table, int64_t lo, int64_t L, float *ob, int64_t Hq,     \
-                     int64_t Hkv, int64_t D, int64_t bs, int64_t page_stride, float scale,   \
-                     float *work) {                                                          \
+                     const int64_t *table, int64_t lo, int64_t L, int64_t first,             \
+                     int64_t last, float *ob, float *part, int64_t Hq, int64_t Hkv,          \
+                     int64_t D, int64_t bs, int64_t page_stride, float scale, float *work) { \
         const int64_t row = Hkv * D;                                                         \
         float *s = work, *acc = s + Hq * bs, *m = acc + Hq * D, *l = m + Hq;                 \
         start_softmax(acc, m, l, Hq, D);                                                     \
-        const int64_t first = lo / bs, last = (L - 1) / bs;                                  \
         for (int64_t pg = first; pg <= last; pg++) {                                         \
             const int64_t t0 = pg * bs > lo ? pg * bs : lo;                                  \
             const int64_t t1 = (pg + 1) * bs < L ? (pg + 1) * bs : L;                        \
@@ -260,7 +333,7 @@ static inline int vec_ok(int64_t D) { return VEC_PATH && D % VW == 0 && D <= VW 
             const T *nv = pg < last ? v_cache + table[pg + 1] * page_stride : NULL;          \
             PAGE_STEP(SUFFIX, kp, vp, nk, nv, nt);                                           \
         }                                                                                    \
-        finish_softmax(acc, l, ob, Hq, D);                                                   \
+        end_part(acc, m, l, ob, part, Hq, D);                                                \
     }
 DEFINE_SEQ(seq_f32, float, f32)
 DEFINE_SEQ(seq_bf16, uint16_t, bf16)
@@ -273,14 +346,18 @@ DEFINE_SEQ(seq_f16, _Float16, f16)
              int64_t Hkv, int64_t D, int64_t bs, int64_t page_stride, float scale,            \
              int64_t window, int num_threads) {                                               \
         int failed = 0;                                                                       \
+        const int64_t S = seq_parts(B, num_threads, context_lens, bs, window);                \
+        float *parts = NULL;                                                                  \
+        if (S > 1 && (parts = malloc(sizeof(float) * B * S * PART_FLOATS(Hq, D))) == NULL)    \
+            return 1;                                                                         \
         _Pragma("omp parallel num_threads(num_threads)") {                                   \
             float *work = malloc(sizeof(float) * WORK_FLOATS(Hq, D, bs));                     \
             if (work == NULL) {                                                               \
                 _Pragma("omp atomic write") failed = 1;                                       \
             }                                                                                 \
             _Pragma("omp for schedule(dynamic, 1)")                                          \
-            for (int64_t b = 0; b < B; b++) {                                                 \
-                const int64_t L = context_lens[b];                                            \
+            for (int64_t it = 0; it < B * S; it++) {                                          \
+                const int64_t b = it / S, L = context_lens[b];                                \
                 const int64_t lo = (window > 0 && L > window) ? L - window : 0;               \
                 float *ob = out + b * Hq * D;                                                 \
                 if (work == NULL) continue;                                                   \
@@ -288,11 +365,15 @@ DEFINE_SEQ(seq_f16, _Float16, f16)
                     memset(ob, 0, sizeof(float) * Hq * D);                                    \
                     continue;                                                                 \
                 }                                                                             \
+                int64_t pa, pb;                                                               \
+                part_range(lo / bs, (L - 1) / bs, it % S, S, &pa, &pb);                       \
                 seq_##SUFFIX(q + b * Hq * D, k_cache, v_cache, block_tables + b * P, lo, L,   \
-                             ob, Hq, Hkv, D, bs, page_stride, scale, work);                   \
+                             pa, pb, ob, S > 1 ? parts + it * PART_FLOATS(Hq, D) : NULL, Hq,  \
+                             Hkv, D, bs, page_stride, scale, work);                           \
             }                                                                                 \
             free(work);                                                                       \
         }                                                                                     \
+        merge_all(parts, S, context_lens, window, out, B, Hq, D, failed);                     \
         return failed;                                                                        \
     }
 
@@ -462,6 +543,17 @@ static inline void prefetch_page(int fmt, const qpages *P, int64_t pg, int64_t b
         __builtin_prefetch(k + off, 0, 2);
         __builtin_prefetch(v + off, 0, 2);
     }
+    if (fmt == QFMT_INT4) { /* and its scales: K's (H, D) per page, V's (bs, H, D / g) */
+        const int64_t nk = H * D * 2, nv = bs * H * (D / (D < 32 ? D : 32)) * 2;
+        for (int64_t off = 0; off < nk; off += 64) {
+            __builtin_prefetch(P->ks + pg * P->stride + off, 0, 2);
+            __builtin_prefetch(P->kz + pg * P->stride + off, 0, 2);
+        }
+        for (int64_t off = 0; off < nv; off += 64) {
+            __builtin_prefetch(P->vs + pg * P->stride + off, 0, 2);
+            __builtin_prefetch(P->vz + pg * P->stride + off, 0, 2);
+        }
+    }
 }
 
 #if VEC_PATH
@@ -530,23 +622,279 @@ static void page_int4_vec(const float *qb, const qpages *P, int64_t pgid, int64_
 }
 #endif
 
+/* ------------------------------------------------------------------------------------------
+ * The int4 fast step (vector builds, D a multiple of 32 up to 256: SmolLM2's 64, Llama's 128).
+ *
+ * A byte of codes holds dims 2i (low nibble) and 2i + 1 (high nibble). VW bytes widen to VW
+ * int32 in one instruction; `& 15` and `>> 4` then give the codes of VW even and VW odd dims,
+ * no byte shuffles. So the kernel works on "split" vectors: chunk c of a row covers dims
+ * [2c*VW, 2(c+1)*VW), even dims in one vector and odd ones in the next. The query is split
+ * that way once per sequence, a page's key scales once per KV head (the product of the two,
+ * times the softmax scale, is the folded query of the page), and the output accumulators are
+ * kept split until the sequence is done (or its fp32 residual page is read), then put back
+ * in dim order. A value group (32 dims) is a whole number of chunks, so a token's group
+ * scale folds into its softmax weight (one broadcast per chunk) and the group's zero term is
+ * summed over the page's tokens as a scalar and added to the group's accumulators once.
+ * Scores are reduced four tokens at a time (one shuffle tree for 4 dot products instead of
+ * 4 horizontal sums); the page's fp16 scales are converted with vector instructions. */
+#if VEC_PATH
+#define C2MAX (128 / VW) /* split chunks of a row, D <= 256 */
+
+static inline int int4_fast_ok(int64_t D) { return D % 32 == 0 && D <= 256; }
+
+/* VW bytes of codes -> the float codes of VW even dims (lo) and VW odd dims (hi). */
+static inline void int4_split(const uint8_t *p, VF *lo, VF *hi) {
+#if VEC_PATH == 512
+    const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    *lo = _mm512_cvtepi32_ps(_mm512_and_si512(w, _mm512_set1_epi32(15)));
+    *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(w, 4));
+#else
+    const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    *lo = _mm256_cvtepi32_ps(_mm256_and_si256(w, _mm256_set1_epi32(15)));
+    *hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(w, 4));
+#endif
+}
+
+/* Two vectors of consecutive dims (a: [0, VW), b: [VW, 2VW)) -> even dims, odd dims. */
+static inline void deinterleave(VF a, VF b, VF *e, VF *o) {
+#if VEC_PATH == 512
+    const __m512i ie = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i io = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    *e = _mm512_permutex2var_ps(a, ie, b);
+    *o = _mm512_permutex2var_ps(a, io, b);
+#else
+    *e = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xD8));
+    *o = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8));
+#endif
+}
+
+/* VW fp16 values -> floats */
+static inline VF ldv_h(const _Float16 *p) { return ldv_f16(p); }
+
+/* The sums of four vectors, as the four lanes of one 128-bit vector. */
+static inline __m128 hsum4(VF x0, VF x1, VF x2, VF x3) {
+#if VEC_PATH == 512
+    const __m512 y0 =
+        _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, 0x44), _mm512_shuffle_f32x4(x0, x1, 0xEE));
+    const __m512 y1 =
+        _mm512_add_ps(_mm512_shuffle_f32x4(x2, x3, 0x44), _mm512_shuffle_f32x4(x2, x3, 0xEE));
+    __m512 z = _mm512_add_ps(_mm512_shuffle_f32x4(y0, y1, 0x88), _mm512_shuffle_f32x4(y0, y1, 0xDD));
+    z = _mm512_add_ps(z, _mm512_permute_ps(z, 0x4E)); /* 128-bit lane k: x_k's partial sums */
+    z = _mm512_add_ps(z, _mm512_permute_ps(z, 0xB1));
+    return _mm512_castps512_ps128(
+        _mm512_permutexvar_ps(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0), z));
+#else
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(x0, x1), _mm256_hadd_ps(x2, x3));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+#endif
+}
+
+/* q (Hq, D) in dim order -> split order (chunk c: VW even dims, then VW odd dims). */
+static void split_rows(const float *src, float *dst, int64_t rows, int64_t D) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < D / (2 * VW); c++) {
+            const float *a = src + r * D + 2 * VW * c;
+            float *e = dst + r * D + 2 * VW * c;
+            for (int64_t i = 0; i < VW; i++) {
+                e[i] = a[2 * i];
+                e[VW + i] = a[2 * i + 1];
+            }
+        }
+}
+
+/* The inverse of split_rows, in place (tmp: 2 * VW floats). */
+static void unsplit_rows(float *x, int64_t rows, int64_t D, float *tmp) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < D / (2 * VW); c++) {
+            float *e = x + r * D + 2 * VW * c;
+            memcpy(tmp, e, sizeof(float) * 2 * VW);
+            for (int64_t i = 0; i < VW; i++) {
+                e[2 * i] = tmp[i];
+                e[2 * i + 1] = tmp[VW + i];
+            }
+        }
+}
+
+/* n fp16 values -> float */
+static inline void halves_to_floats(const _Float16 *src, int64_t n, float *dst) {
+    int64_t i = 0;
+    for (; i + VW <= n; i += VW) VSTORE(dst + i, ldv_h(src + i));
+    for (; i < n; i++) dst[i] = (float)src[i];
+}
+
+/* Floats of the fast step's scratch. */
+#define INT4_FAST_FLOATS(Hq, Hkv, D, bs) \
+    (2 * (Hq) * (D) + (Hq) + 2 * (bs) * (Hkv) * ((D) / 32) + (Hq) * ((D) / 32) + 4 * (Hq) * VW + 2 * VW)
+
+/* One int4 page's rows [j0, j0 + nt) against the split query qsp, into the split
+ * accumulators acc. qb: the query in dim order (for the key zeros' term). */
+static inline __attribute__((always_inline)) void page_int4_fast(
+    const float *qb, const float *qsp, const qpages *P, int64_t pgid, int64_t j0, int64_t nt,
+    float *s, float *acc, float *m, float *l, int64_t Hq, int64_t Hkv, const int64_t D,
+    int64_t bs, float scale, float *scr) {
+    const int64_t off = pgid * P->stride, D2 = D / 2, G = Hq / Hkv, C2 = D / (2 * VW);
+    const int64_t Gn = D / 32;
+    const _Float16 *ks = (const _Float16 *)(P->ks + off), *kz = (const _Float16 *)(P->kz + off);
+    const _Float16 *vs = (const _Float16 *)(P->vs + off) + j0 * Hkv * Gn;
+    const _Float16 *vz = (const _Float16 *)(P->vz + off) + j0 * Hkv * Gn;
+    const uint8_t *kd = P->k + off + j0 * Hkv * D2, *vd = P->v + off + j0 * Hkv * D2;
+    float *qs = scr, *qz = qs + Hq * D, *vsf = qz + Hq, *vzf = vsf + bs * Hkv * Gn;
+    float *zsum = vzf + bs * Hkv * Gn, *xs = zsum + Hq * Gn;
+    /* the page's folded query: split q times split key scales times the softmax scale, and
+     * scale * q . zero per query head */
+    const VF vscale = VSET1(scale);
+    for (int64_t h = 0; h < Hkv; h++) {
+        VF se[C2MAX], so[C2MAX];
+        for (int64_t c = 0; c < C2; c++) {
+            const _Float16 *p = ks + h * D + 2 * VW * c;
+            deinterleave(ldv_h(p), ldv_h(p + VW), &se[c], &so[c]);
+            se[c] = VMUL(se[c], vscale);
+            so[c] = VMUL(so[c], vscale);
+        }
+        for (int64_t g = h * G; g < (h + 1) * G; g++) {
+            const float *qr = qsp + g * D, *qn = qb + g * D;
+            float *qo = qs + g * D;
+            VF z = VMUL(VLOAD(qn), ldv_h(kz + h * D));
+            for (int64_t c = 1; c < 2 * C2; c++) z = VFMA(VLOAD(qn + VW * c), ldv_h(kz + h * D + VW * c), z);
+            qz[g] = VSUM(z) * scale;
+            for (int64_t c = 0; c < C2; c++) {
+                VSTORE(qo + 2 * VW * c, VMUL(VLOAD(qr + 2 * VW * c), se[c]));
+                VSTORE(qo + 2 * VW * c + VW, VMUL(VLOAD(qr + 2 * VW * c + VW), so[c]));
+            }
+        }
+    }
+    /* scores, four tokens at a time */
+    for (int64_t j = 0; j < nt; j += 4) {
+        const int64_t n4 = nt - j < 4 ? nt - j : 4;
+        for (int64_t h = 0; h < Hkv; h++) {
+            for (int64_t t = 0; t < 4; t++) {
+                if (t >= n4) {
+                    for (int64_t g = 0; g < G; g++) VSTORE(xs + (g * 4 + t) * VW, VSET1(0.0f));
+                    continue;
+                }
+                VF lo[C2MAX], hi[C2MAX];
+                const uint8_t *kr = kd + ((j + t) * Hkv + h) * D2;
+                for (int64_t c = 0; c < C2; c++) int4_split(kr + VW * c, &lo[c], &hi[c]);
+                for (int64_t g = 0; g < G; g++) {
+                    const float *qr = qs + (h * G + g) * D;
+                    VF x = VMUL(VLOAD(qr), lo[0]);
+                    x = VFMA(VLOAD(qr + VW), hi[0], x);
+                    for (int64_t c = 1; c < C2; c++) {
+                        x = VFMA(VLOAD(qr + 2 * VW * c), lo[c], x);
+                        x = VFMA(VLOAD(qr + 2 * VW * c + VW), hi[c], x);
+                    }
+                    VSTORE(xs + (g * 4 + t) * VW, x);
+                }
+            }
+            for (int64_t g = 0; g < G; g++) {
+                const float *x = xs + g * 4 * VW;
+                const int64_t gi = h * G + g;
+                const __m128 r = _mm_add_ps(
+                    hsum4(VLOAD(x), VLOAD(x + VW), VLOAD(x + 2 * VW), VLOAD(x + 3 * VW)),
+                    _mm_set1_ps(qz[gi]));
+                if (n4 == 4) {
+                    _mm_storeu_ps(s + gi * bs + j, r);
+                } else {
+                    float tmp[4];
+                    _mm_storeu_ps(tmp, r);
+                    for (int64_t t = 0; t < n4; t++) s[gi * bs + j + t] = tmp[t];
+                }
+            }
+        }
+    }
+    fold_page(s, acc, m, l, Hq, D, bs, nt);
+    /* values: weight * group scale on the codes, weight * group zero summed per group */
+    halves_to_floats(vs, nt * Hkv * Gn, vsf);
+    halves_to_floats(vz, nt * Hkv * Gn, vzf);
+    for (int64_t i = 0; i < Hq * Gn; i++) zsum[i] = 0.0f;
+    for (int64_t j = 0; j < nt; j++) /* token-major: an accumulator's updates 1 row apart */
+        for (int64_t h = 0; h < Hkv; h++) {
+            const int64_t r = j * Hkv + h;
+            VF lo[C2MAX], hi[C2MAX];
+            for (int64_t c = 0; c < C2; c++) int4_split(vd + r * D2 + VW * c, &lo[c], &hi[c]);
+            const float *sv = vsf + r * Gn, *zv = vzf + r * Gn;
+            for (int64_t gi = h * G; gi < (h + 1) * G; gi++) {
+                const float p = s[gi * bs + j];
+                float *ar = acc + gi * D;
+                for (int64_t c = 0; c < C2; c++) {
+                    const VF a = VSET1(p * sv[(2 * VW * c) / 32]);
+                    VSTORE(ar + 2 * VW * c, VFMA(a, lo[c], VLOAD(ar + 2 * VW * c)));
+                    VSTORE(ar + 2 * VW * c + VW, VFMA(a, hi[c], VLOAD(ar + 2 * VW * c + VW)));
+                }
+                for (int64_t k = 0; k < Gn; k++) zsum[gi * Gn + k] += p * zv[k];
+            }
+        }
+    for (int64_t gi = 0; gi < Hq; gi++)
+        for (int64_t c = 0; c < C2; c++) {
+            const VF z = VSET1(zsum[gi * Gn + (2 * VW * c) / 32]);
+            float *ar = acc + gi * D + 2 * VW * c;
+            VSTORE(ar, VADD(VLOAD(ar), z));
+            VSTORE(ar + VW, VADD(VLOAD(ar + VW), z));
+        }
+}
+
+/* The fast step with D a compile-time constant for the common head sizes. */
+static void page_int4_fast_any(const float *qb, const float *qsp, const qpages *P, int64_t pgid,
+                               int64_t j0, int64_t nt, float *s, float *acc, float *m, float *l,
+                               int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale,
+                               float *scr) {
+    if (D == 64)
+        page_int4_fast(qb, qsp, P, pgid, j0, nt, s, acc, m, l, Hq, Hkv, 64, bs, scale, scr);
+    else if (D == 128)
+        page_int4_fast(qb, qsp, P, pgid, j0, nt, s, acc, m, l, Hq, Hkv, 128, bs, scale, scr);
+    else
+        page_int4_fast(qb, qsp, P, pgid, j0, nt, s, acc, m, l, Hq, Hkv, D, bs, scale, scr);
+}
+#endif
+
+/* Floats of seq_quant's work area past WORK_FLOATS: a page of dequantized K and V, int4's
+ * folded query, its zeros, a codes row, the page's K scales and zeros; on the vector builds
+ * the split query and the fast int4 step's scratch. */
+static inline int64_t quant_work_floats(int64_t Hq, int64_t Hkv, int64_t D, int64_t bs) {
+    int64_t n = WORK_FLOATS(Hq, D, bs) + 2 * bs * Hkv * D + Hq * D + Hq + D + 2 * Hkv * D;
+#if VEC_PATH
+    n += Hq * D + INT4_FAST_FLOATS(Hq, Hkv, D, bs);
+#endif
+    return n;
+}
+
 static void seq_quant(int fmt, const float *qb, const qpages *P, const float *res_k,
                       const float *res_v, int64_t slot, const int64_t *table, int64_t lo,
-                      int64_t L, float *ob, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs,
-                      float scale, float *work) {
+                      int64_t L, int64_t first, int64_t last, float *ob, float *part,
+                      int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale, float *work) {
     const int64_t row = Hkv * D;
     float *s = work, *acc = s + Hq * bs, *m = acc + Hq * D, *l = m + Hq;
     float *kb = l + Hq, *vb = kb + bs * row;
     float *kscr = vb + bs * row + Hq * D + Hq + D; /* 2 * row floats: int4's K scales, zeros */
     start_softmax(acc, m, l, Hq, D);
-    const int64_t first = lo / bs, last = (L - 1) / bs;
     const int64_t tail = (L % bs && slot >= 0) ? L / bs : -1; /* page read from the residual */
+#if VEC_PATH
+    /* the fast int4 step: acc stays in split order while it runs (put back before a float
+     * page step or at the end) */
+    float *qsp = kscr + 2 * row, *fscr = qsp + Hq * D;
+    int split = 0;
+    if (fmt == QFMT_INT4 && int4_fast_ok(D)) {
+        split_rows(qb, qsp, Hq, D);
+        split = 1;
+    }
+#endif
     for (int64_t pg = first; pg <= last; pg++) {
         const int64_t t0 = pg * bs > lo ? pg * bs : lo;
         const int64_t t1 = (pg + 1) * bs < L ? (pg + 1) * bs : L;
         const int64_t nt = t1 - t0, j0 = t0 - pg * bs;
         const float *kp, *vp;
         if (pg < last && pg + 1 != tail) prefetch_page(fmt, P, table[pg + 1], bs, Hkv, D);
+#if VEC_PATH
+        if (split && pg != tail) {
+            page_int4_fast_any(qb, qsp, P, table[pg], j0, nt, s, acc, m, l, Hq, Hkv, D, bs,
+                               scale, fscr);
+            continue;
+        }
+        if (split) { /* the residual page: a float step, on accumulators in dim order */
+            unsplit_rows(acc, Hq, D, fscr);
+            split = 0;
+        }
+#endif
         if (pg == tail) {
             kp = res_k + slot * bs * row + j0 * row;
             vp = res_v + slot * bs * row + j0 * row;
@@ -564,7 +912,10 @@ static void seq_quant(int fmt, const float *qb, const qpages *P, const float *re
         }
         PAGE_STEP(f32, kp, vp, (const float *)NULL, (const float *)NULL, nt);
     }
-    finish_softmax(acc, l, ob, Hq, D);
+#if VEC_PATH
+    if (split) unsplit_rows(acc, Hq, D, fscr);
+#endif
+    end_part(acc, m, l, ob, part, Hq, D);
 }
 
 /* fmt: QFMT_*. kz, vz: NULL for fp8/int8. res_k/res_v: (R, bs, Hkv, D) fp32; res_slots (B,)
@@ -584,19 +935,20 @@ int kvmesh_decode_attention_quant(int fmt, const float *q, const uint8_t *k, con
     }
     const qpages pages = {k, ks, kz, v, vs, vz, page_stride};
     int failed = 0;
+    const int64_t S = seq_parts(B, num_threads, context_lens, bs, window);
+    float *parts = NULL;
+    if (S > 1 && (parts = malloc(sizeof(float) * B * S * PART_FLOATS(Hq, D))) == NULL) return 1;
 #pragma omp parallel num_threads(num_threads)
     {
         /* + dequantized K and V of a page; int4's folded query, its zeros, codes, K scales */
-        float *work = malloc(sizeof(float) *
-                             (WORK_FLOATS(Hq, D, bs) + 2 * bs * Hkv * D + Hq * D + Hq + D +
-                              2 * Hkv * D));
+        float *work = malloc(sizeof(float) * quant_work_floats(Hq, Hkv, D, bs));
         if (work == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t b = 0; b < B; b++) {
-            const int64_t L = context_lens[b];
+        for (int64_t it = 0; it < B * S; it++) {
+            const int64_t b = it / S, L = context_lens[b];
             const int64_t lo = (window > 0 && L > window) ? L - window : 0;
             float *ob = out + b * Hq * D;
             if (work == NULL) continue;
@@ -604,11 +956,16 @@ int kvmesh_decode_attention_quant(int fmt, const float *q, const uint8_t *k, con
                 memset(ob, 0, sizeof(float) * Hq * D);
                 continue;
             }
+            int64_t pa, pb;
+            part_range(lo / bs, (L - 1) / bs, it % S, S, &pa, &pb);
             seq_quant(fmt, q + b * Hq * D, &pages, res_k, res_v, res_slots[b],
-                      block_tables + b * P, lo, L, ob, Hq, Hkv, D, bs, scale, work);
+                      block_tables + b * P, lo, L, pa, pb, ob,
+                      S > 1 ? parts + it * PART_FLOATS(Hq, D) : NULL, Hq, Hkv, D, bs, scale,
+                      work);
         }
         free(work);
     }
+    merge_all(parts, S, context_lens, window, out, B, Hq, D, failed);
     return failed;
 }
 
@@ -617,3 +974,29 @@ int kvmesh_cpu_abi(void) { return 3; }
 
 /* The vector path this build has: 512 (AVX-512), 256 (AVX2), 0 (scalar). */
 int kvmesh_cpu_attention_vectorized(void) { return VEC_PATH; }
+
+/* int4 pages keep V rotated by a normalised Hadamard matrix (kernels/quant.py): the backend
+ * rotates each new V row before writing it and the attention output back. x (n, D) float32
+ * -> out (n, D) (may be x): every `block` consecutive dims times the Hadamard matrix, then
+ * times `scale` (1 / sqrt(block)), with kernels.quant.hadamard_transform's butterflies in its
+ * order (stage h pairs dims i and i + h, h = 1, 2, 4, ...): bit-equal to it, without its ~30
+ * torch ops per call. */
+int kvmesh_hadamard_f32(const float *x, float *out, int64_t n, int64_t D, int64_t block,
+                        float scale, int num_threads) {
+    if (block < 1 || (block & (block - 1)) || D % block) return 2;
+    const int64_t rows = n * (D / block);
+#pragma omp parallel for num_threads(num_threads) if (rows * block >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        float *o = out + r * block;
+        if (o != x + r * block) memcpy(o, x + r * block, sizeof(float) * block);
+        for (int64_t h = 1; h < block; h *= 2)
+            for (int64_t i = 0; i < block; i += 2 * h)
+                for (int64_t j = i; j < i + h; j++) {
+                    const float a = o[j], b = o[j + h];
+                    o[j] = a + b;
+                    o[j + h] = a - b;
+                }
+        for (int64_t j = 0; j < block; j++) o[j] *= scale;
+    }
+    return 0;
+}

@@ -167,3 +167,28 @@ def _quantized(
         return o
     out.copy_(o)
     return out
+
+
+def hadamard_cpu(x: torch.Tensor, block: int, library: CpuLibrary | None = None) -> torch.Tensor:
+    """``kernels.quant.hadamard_transform`` in C, bit-equal: the int4 backend's rotation of V
+    rows and of the attention output (two per layer and step). Inputs it does not take
+    (not CPU float32, or a library without the C kernels loaded) go to the torch version."""
+    from kvmesh.kernels.quant import hadamard_transform
+
+    D = x.shape[-1] if x.dim() else 0
+    if x.device.type != "cpu" or x.dtype != torch.float32 or not D or D % block:
+        return hadamard_transform(x, block)
+    if library is None:
+        try:
+            library = default_library()
+        except RuntimeError:
+            return hadamard_transform(x, block)
+    src = x.detach().contiguous()
+    out = torch.empty_like(src)
+    rc = library.fn("kvmesh_hadamard_f32")(
+        src.data_ptr(), out.data_ptr(), src.numel() // D, D, block, 1.0 / block**0.5,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if rc:
+        raise ValueError(f"Hadamard block {block} must be a power of two dividing {D}")
+    return out

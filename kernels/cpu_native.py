@@ -56,6 +56,8 @@ SIGNATURES = {
     "kvmesh_decode_attention_quant": [_N] + [_P] * 13 + [_I] * 7 + [_F, _I, _N],
     # (fmt, k, v, n, bs, H, D, page ids, 6 component bases, page stride in bytes, threads)
     "kvmesh_quantize_pages": [_N, _P, _P] + [_I] * 4 + [_P] * 7 + [_I, _N],
+    # (x, out, rows, D, block, scale, threads)
+    "kvmesh_hadamard_f32": [_P, _P, _I, _I, _I, _F, _N],
     "kvmesh_rmsnorm_f32": [_P, _P, _P, _I, _I, _F, _N],
     "kvmesh_add_rmsnorm_f32": [_P, _P, _P, _P, _I, _I, _F, _N],
     "kvmesh_rotary_f32": [_P, _P, _P, _I, _I, _I, _I, _N],
@@ -143,7 +145,9 @@ class CpuLibrary:
         self.vectorized = self.vector_bits > 0
         self._fns = {}
         for name, argtypes in SIGNATURES.items():
-            fn = getattr(lib, name)
+            fn = getattr(lib, name, None)
+            if fn is None:  # a build of older sources (bench --baseline-ref): fn(name) fails
+                continue
             fn.argtypes = argtypes
             fn.restype = ctypes.c_int
             self._fns[name] = fn

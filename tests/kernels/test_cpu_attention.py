@@ -265,3 +265,47 @@ def test_build_is_cached_by_source_and_flags(tmp_path):
     )
     assert b != a
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([a.name, b.name])  # no temps
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4"])
+def test_few_long_sequences_split_over_threads(libraries, build, fmt):
+    """Fewer sequences than two per thread: the kernel cuts each sequence's pages into parts
+    (work items of their own, merged at the end). One and three sequences at 4 threads, tails
+    in the residual, windows cutting the first pages: equal to the torch twin."""
+    Hq, Hkv, D = 9, 3, 64
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        for lens in ([300], [301, 150, 77]):
+            sim = _sim(fmt, Hkv, D, [lens], seed=len(lens), num_pages=70, max_pages=20)
+            q = torch.randn(len(lens), Hq, D, generator=torch.Generator().manual_seed(len(lens)))
+            for window in (None, 130):
+                args = (_quant_args if sim.fmt in ("int8", "int4") else _args)(
+                    sim, q, 0.125, window
+                )
+                want = paged_decode_attention_torch(**args)
+                got = cpu_attention.paged_decode_attention_cpu(**args, library=libraries[build])
+                torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_hadamard_is_bit_equal_to_the_torch_rotation(libraries, build):
+    """int4's V rotation in C (the backend's two calls per layer and step) against
+    kernels.quant.hadamard_transform, bit for bit, at the engine's shapes and others; inputs
+    it does not take go to the torch version; a bad block is named."""
+    from kvmesh.kernels.quant import hadamard_transform
+
+    lib = libraries[build]
+    g = torch.Generator().manual_seed(21)
+    for shape, block in [((16, 3, 64), 64), ((5, 9, 128), 128), ((7, 2, 96), 32), ((3, 8), 1)]:
+        x = torch.randn(*shape, generator=g) * 10
+        got = cpu_attention.hadamard_cpu(x, block, library=lib)
+        assert got.shape == x.shape and torch.equal(got, hadamard_transform(x, block))
+    x = torch.randn(4, 64, generator=g)
+    half = cpu_attention.hadamard_cpu(x.half(), 64, library=lib)  # torch's path
+    assert half.dtype == torch.float16 and torch.equal(half, hadamard_transform(x.half(), 64))
+    with pytest.raises(ValueError, match="power of two"):
+        cpu_attention.hadamard_cpu(torch.randn(2, 48), 24, library=lib)

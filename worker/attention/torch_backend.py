@@ -40,13 +40,15 @@ class TorchAttentionBackend(AttentionBackend):
         self.sliding_window = sliding_window
         self._meta: AttentionMetadata | None = None
         self._native = None
+        self._hadamard = hadamard_transform  # int4's V rotation (kernels.quant)
         if native:
             from kvmesh.worker import cpu_kernels
 
             if cpu_kernels.load() is not None:
-                from kvmesh.kernels.cpu_attention import paged_decode_attention_cpu
+                from kvmesh.kernels.cpu_attention import hadamard_cpu, paged_decode_attention_cpu
 
                 self._native = paged_decode_attention_cpu
+                self._hadamard = hadamard_cpu  # bit-equal, one C call instead of ~30 torch ops
 
     def prepare(self, meta: AttentionMetadata) -> None:
         self._meta = meta
@@ -105,7 +107,7 @@ class TorchAttentionBackend(AttentionBackend):
         bs = meta.block_size
         rot = value_rotation_block(cache.cache_format, D)
         if rot is not None:  # int4 keeps V rotated (kernels.quant); the output is turned back
-            v = hadamard_transform(v, rot)
+            v = self._hadamard(v, rot)
         native = self._native is not None and q.device.type == "cpu"
         if cache.quantized:
             from kvmesh.kernels.cache_write import write_kv_cache  # Triton on CUDA
@@ -188,4 +190,4 @@ class TorchAttentionBackend(AttentionBackend):
                 enable_gqa=G > 1,
             )
             out[s : s + n] = o[0].transpose(0, 1)
-        return out if rot is None else hadamard_transform(out, rot)
+        return out if rot is None else self._hadamard(out, rot)
