@@ -244,7 +244,10 @@ def bench_throughput(args, ids: list[int]) -> dict:
     prompts = [ids[i * 97 : i * 97 + args.tput_prompt] for i in range(args.tput_requests)]
     assert all(len(p) == args.tput_prompt for p in prompts), "text too short for the prompts"
     tokens = {}
-    for label, budget in (("full", None), ("snapkv@0.25", args.tput_prompt // 4)):
+    configs = {"full": None, "snapkv@0.25": args.tput_prompt // 4}
+    for label, budget in configs.items():
+        if label.split("@")[0] not in args.tput_configs.split(","):
+            continue
         llm = LLM(
             "smollm2-135m-instruct",
             kv_cache_memory=args.pool,
@@ -277,6 +280,12 @@ def bench_throughput(args, ids: list[int]) -> dict:
         log(f"throughput {label}: {out[label]}")
         llm.close()
         del llm
+    out.update(
+        requests=args.tput_requests, prompt=args.tput_prompt, new=args.tput_new, pool=args.pool
+    )
+    out["output_token_ids"] = tokens  # to merge runs split with --tput-configs
+    if len(tokens) < 2:
+        return out
     out["ratio"] = round(
         out["snapkv@0.25"]["output_tokens_per_s"] / out["full"]["output_tokens_per_s"], 3
     )
@@ -290,9 +299,6 @@ def bench_throughput(args, ids: list[int]) -> dict:
         for a, b in zip(full, snap)
     ]
     out["snapkv_mean_common_prefix"] = round(sum(common) / len(common), 2)
-    out.update(
-        requests=args.tput_requests, prompt=args.tput_prompt, new=args.tput_new, pool=args.pool
-    )
     return out
 
 
@@ -366,6 +372,11 @@ def main() -> None:
     ap.add_argument("--tput-new", type=int, default=64)
     ap.add_argument("--pool", default="1GiB")
     ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument(
+        "--tput-configs",
+        default="full,snapkv",
+        help="full,snapkv (default) or one of them: to run the two as concurrent processes",
+    )
     ap.add_argument("--wc-prompts", type=int, default=8)
     ap.add_argument("--wc-new", type=int, default=64)
     args = ap.parse_args()
