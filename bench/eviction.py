@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -48,7 +49,9 @@ from machine import machine_info
 from kvmesh.worker import LLM, SamplingParams
 
 GPL = Path("/usr/share/common-licenses/GPL-3")
-POLICIES = ("snapkv", "h2o", "streaming", "random")
+SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+TEXTS = {"gpl": GPL, "shakespeare": SHAKESPEARE}  # held-out / the tuning text
+POLICIES = ("snapkv", "h2o", "streaming", "scissorhands", "random")
 
 
 def log(*a) -> None:
@@ -106,7 +109,8 @@ def continuation_nll(llm: LLM, ctx: list[int], cont: list[int], budget, policy, 
 
 def bench_ppl(llm: LLM, ids: list[int], args) -> dict:
     C, N = args.context, args.continuation
-    windows = [ids[i : i + C + N] for i in range(0, len(ids) - C - N + 1, C + N)][: args.windows]
+    starts = range(args.offset, len(ids) - C - N + 1, C + N)
+    windows = [ids[i : i + C + N] for i in starts][: args.windows]
     rows = {}
 
     def ppl(budget, policy) -> float:
@@ -121,7 +125,7 @@ def bench_ppl(llm: LLM, ids: list[int], args) -> dict:
     full = ppl(None, None)
     for frac in args.fractions:
         budget = max(8, int(C * frac))
-        for policy in POLICIES:
+        for policy in args.policies:
             p = ppl(budget, policy)
             rows[f"{policy}@{frac:g}"] = {
                 "budget": budget,
@@ -133,6 +137,7 @@ def bench_ppl(llm: LLM, ids: list[int], args) -> dict:
         "continuation": N,
         "mode": args.ppl_mode,
         "windows": len(windows),
+        "offset": args.offset,
         "full_ppl": round(full, 4),
         "rows": rows,
     }
@@ -175,7 +180,7 @@ def bench_needle(llm: LLM, ids: list[int], args) -> dict:
     configs = [("full", None, None)]
     for frac in args.needle_fractions:
         budget = max(8, int(T * frac))
-        configs += [(f"{policy}@{frac:g}", budget, policy) for policy in POLICIES]
+        configs += [(f"{policy}@{frac:g}", budget, policy) for policy in args.policies]
     hits = {label: [] for label, _, _ in configs}
     t0 = time.monotonic()
     for i, (prompt, code, _) in enumerate(cases):
@@ -216,11 +221,33 @@ def bench_needle(llm: LLM, ids: list[int], args) -> dict:
     }
 
 
+def run_batch(llm: LLM, prompts: list, params: SamplingParams, label: str) -> list:
+    """``llm.generate``'s loop, with a progress line per finished request."""
+    eng = llm.engine
+    reqs = [eng.make_request(p, params) for p in prompts]
+    for r in reqs:
+        eng.add(r, check_queue=False)
+    final, t0 = {}, time.monotonic()
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                final[o.request_id] = o
+                log(
+                    f"throughput {label}: {len(final)}/{len(reqs)} done "
+                    f"({time.monotonic() - t0:.0f}s, load {os.getloadavg()[0]:.1f})"
+                )
+    return [final[r.request_id] for r in reqs]
+
+
 def bench_throughput(args, ids: list[int]) -> dict:
     out = {}
     prompts = [ids[i * 97 : i * 97 + args.tput_prompt] for i in range(args.tput_requests)]
     assert all(len(p) == args.tput_prompt for p in prompts), "text too short for the prompts"
-    for label, budget in (("full", None), ("snapkv@0.25", args.tput_prompt // 4)):
+    tokens = {}
+    configs = {"full": None, "snapkv@0.25": args.tput_prompt // 4}
+    for label, budget in configs.items():
+        if label.split("@")[0] not in args.tput_configs.split(","):
+            continue
         llm = LLM(
             "smollm2-135m-instruct",
             kv_cache_memory=args.pool,
@@ -234,27 +261,68 @@ def bench_throughput(args, ids: list[int]) -> dict:
             kv_budget=budget,
             kv_policy="snapkv" if budget else None,
         )
+        load0 = os.getloadavg()
         t0 = time.monotonic()
-        outs = llm.generate(prompts, params)
+        outs = run_batch(llm, prompts, params, label)
         dt = time.monotonic() - t0
-        n_out = sum(len(o.token_ids) for o in outs)
+        tokens[label] = [list(o.token_ids) for o in outs]
+        n_out = sum(len(t) for t in tokens[label])
         s = llm.engine.stats()
         out[label] = {
             "seconds": round(dt, 2),
             "output_tokens_per_s": round(n_out / dt, 2),
             "num_pages": s.num_pages,
             "preemptions": s.num_preemptions,
+            "errors": sum(o.finish_reason == "error" for o in outs),
+            "load_start": [round(x, 2) for x in load0],
+            "load_end": [round(x, 2) for x in os.getloadavg()],
         }
         log(f"throughput {label}: {out[label]}")
         llm.close()
         del llm
-    out["ratio"] = round(
-        out["snapkv@0.25"]["output_tokens_per_s"] / out["full"]["output_tokens_per_s"], 3
-    )
     out.update(
         requests=args.tput_requests, prompt=args.tput_prompt, new=args.tput_new, pool=args.pool
     )
+    out["output_token_ids"] = tokens  # to merge runs split with --tput-configs
+    if len(tokens) < 2:
+        return out
+    out["ratio"] = round(
+        out["snapkv@0.25"]["output_tokens_per_s"] / out["full"]["output_tokens_per_s"], 3
+    )
+    # a 25% budget changes what the model sees, so equal outputs are not expected: how many
+    # of SnapKV's greedy outputs are still the full cache's, token for token, and how many
+    # leading tokens agree on average
+    full, snap = tokens["full"], tokens["snapkv@0.25"]
+    out["snapkv_outputs_equal_full"] = sum(a == b for a, b in zip(full, snap))
+    common = [
+        next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+        for a, b in zip(full, snap)
+    ]
+    out["snapkv_mean_common_prefix"] = round(sum(common) / len(common), 2)
     return out
+
+
+def use_snapkv_variant(spec: str) -> dict:
+    """Every ``snapkv`` request of this process gets ``SnapKV(budget, **variant)`` (``spec``:
+    ``window=64,kernel=13,pool=max,recent=0.5``). The API sets only the budget and the
+    policy, so this bench-only hook replaces ``make_policy`` where the engine builds
+    policies (the manager) and where the prefix-cache limit asks (``first_observed``), to
+    compare variants through the engine on the tuning text."""
+    from kvmesh.worker.eviction import manager, policies
+
+    kw = {}
+    for item in spec.split(","):
+        k, _, v = item.partition("=")
+        kw[k] = v if k == "pool" else float(v) if k == "recent" else int(v)
+    policies.SnapKV(64, **kw)  # bad names or values fail here, before anything runs
+    base = policies.make_policy
+
+    def make(name: str, budget: int):
+        return policies.SnapKV(budget, **kw) if name == "snapkv" else base(name, budget)
+
+    manager.make_policy = make
+    policies.make_policy = make
+    return kw
 
 
 def bench_weights_cost(llm: LLM, ids: list[int], args) -> dict:
@@ -283,6 +351,12 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1536)
     ap.add_argument("--continuation", type=int, default=256)
     ap.add_argument("--windows", type=int, default=1)
+    ap.add_argument(
+        "--text", default="gpl", help="gpl (held out, default), shakespeare (tuning) or a path"
+    )
+    ap.add_argument("--offset", type=int, default=0, help="first token of the ppl windows")
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    ap.add_argument("--snapkv", help="a SnapKV variant for this run: window=..,kernel=..,...")
     ap.add_argument("--ppl-mode", choices=("context", "whole"), default="context")
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.125, 0.25, 0.5])
     ap.add_argument("--needles", type=int, default=50)
@@ -298,16 +372,25 @@ def main() -> None:
     ap.add_argument("--tput-new", type=int, default=64)
     ap.add_argument("--pool", default="1GiB")
     ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument(
+        "--tput-configs",
+        default="full,snapkv",
+        help="full,snapkv (default) or one of them: to run the two as concurrent processes",
+    )
     ap.add_argument("--wc-prompts", type=int, default=8)
     ap.add_argument("--wc-new", type=int, default=64)
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     t0 = time.monotonic()
+    text = Path(TEXTS.get(args.text, args.text))
     result = {
         "bench": "eviction",
         "machine": machine_info(),
-        "text": str(GPL),
+        "load_start": [round(x, 2) for x in os.getloadavg()],
+        "text": str(text),
         "parts": sorted(parts),
+        "policies": args.policies,
+        "snapkv_variant": use_snapkv_variant(args.snapkv) if args.snapkv else "default",
     }
     llm = LLM(
         "smollm2-135m-instruct",
@@ -315,7 +398,7 @@ def main() -> None:
         kv_cache_memory="512MiB",
         max_num_batched_tokens=args.chunk,
     )
-    ids = llm.tokenizer.encode(GPL.read_text())
+    ids = llm.tokenizer.encode(text.read_text())
     result["text_tokens"] = len(ids)
     if "ppl" in parts:
         result["ppl"] = bench_ppl(llm, ids, args)
@@ -329,6 +412,7 @@ def main() -> None:
         result["throughput"] = bench_throughput(args, ids)
     result["seconds"] = round(time.monotonic() - t0, 1)
     result["load_after"] = machine_info().get("loadavg_1m")
+    result["load_end"] = [round(x, 2) for x in os.getloadavg()]
     print(json.dumps(result))
 
 
