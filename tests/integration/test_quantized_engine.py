@@ -166,11 +166,12 @@ def test_unknown_cache_dtype_names_the_accepted_ones():
 # from its start; it holds 7 of 1,024 tokens (7,161 predicted tokens, docs/formats.md).
 GPL3 = "/usr/share/common-licenses/GPL-3"
 UNSEEN_WINDOWS = 7
-# int4 measured +2.03% here (19.6273 -> 20.0267). The same quantizer moves by up to ~0.7
-# points between float roundings of K/V on this text (docs/formats.md, run-to-run noise), so
-# the guard sits about that far above it. It still fails for a real defect: 2-bit keys cost
-# +31% here, a wrong scale far more.
-UNSEEN_GUARD = 0.03
+# int4 measured +1.09% here with prefill reading each query's own page exact (+2.03% before);
+# its 7 windows spread from +0.35% to +1.96% (sd 0.53 points). Other machines round K/V
+# differently and int4 moves by up to ~0.7 points between such roundings (docs/formats.md,
+# run-to-run noise), so the guard sits 0.9 points above the measurement. It still fails for
+# a real defect: 2-bit keys cost +31% here, a wrong scale far more.
+UNSEEN_GUARD = 0.02
 
 
 def _eval_ppl(capsys, fmt: str) -> float:
@@ -185,8 +186,9 @@ def _eval_ppl(capsys, fmt: str) -> float:
 
 def test_int4_perplexity_on_a_text_it_was_not_tuned_on(capsys):
     """``kvmesh eval-ppl --kv-cache-dtype int4`` against fp32 (``auto``) on the unseen text:
-    within UNSEEN_GUARD, a regression guard. Issue 23's bound (+0.8%) is not met yet; when a
-    change meets it, this guard moves down to it."""
+    within UNSEEN_GUARD, a regression guard. Issue 23's bound (+0.8%) is met on Newton's
+    *Opticks* (+0.71%, 8 windows), not yet here; when a change meets it, this guard moves
+    down to it."""
     from pathlib import Path
 
     if not Path(GPL3).is_file():
