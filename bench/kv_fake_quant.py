@@ -3,10 +3,11 @@ int4 designs one factor at a time, and the plain KIVI-style reference point.
 
 transformers (fp32, the GGUF SmolLM2-135M-Instruct) scores each window in one forward pass;
 a registered attention function replaces every layer's K and V by quantize -> dequantize
-before attending. That is what ``kvmesh eval-ppl`` sees at its default chunk of 256: each
-chunk completes whole pages of 16 tokens, which are quantized when written and read back
-quantized, so every query attends to quantized K/V of every earlier position (its own page
-included); eval-ppl at chunk 256 never reads the residual.
+before attending. By default every query reads every position quantized, its own page
+included: what ``kvmesh eval-ppl`` at chunk 256 saw before prefill learnt decode's view.
+Since then (issue 23's third pass) the engine reads a query's own page exact unless the
+query completes it, which ``residual=16`` approximates (it keeps the page exact even for
+its last query).
 
 Windows are cut exactly as ``worker.eval.window_token_ids`` cuts them (consecutive,
 non-overlapping, from the start of the text), so the numbers are comparable with

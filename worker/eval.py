@@ -30,6 +30,8 @@ class PerplexityResult:
     kv_cache_dtype: str
     bits_per_value: float
     bytes_per_token: float
+    # each window's mean NLL per predicted token (nats), in window order: the spread
+    window_nll: list[float] | None = None
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -85,10 +87,12 @@ def evaluate_perplexity(
     engine: LLMEngine, text: str, context: int = 1024, windows: int = 8
 ) -> PerplexityResult:
     total, count = 0.0, 0
+    per_window = []
     t0 = time.monotonic()
     for i, ids in enumerate(window_token_ids(engine, text, context, windows)):
         nll, n = score_window(engine, ids)
         total, count = total + nll, count + n
+        per_window.append(nll / n)
         logger.info(
             "window %d/%d: running ppl %.4f (%.1fs)",
             i + 1,
@@ -105,4 +109,5 @@ def evaluate_perplexity(
         kv_cache_dtype=engine.cache_format,
         bits_per_value=engine.layout.bits_per_value,
         bytes_per_token=engine.bytes_per_token,
+        window_nll=per_window,
     )

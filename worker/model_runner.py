@@ -72,7 +72,7 @@ class ModelRunner:
             else:
                 n_pages = -(-(cp + n) // bs)
                 pages = torch.tensor(table[:n_pages], dtype=torch.int64, device=self.device)
-                prefills.append(PrefillSpan(start, n, cp + n, pages, tail))
+                prefills.append(PrefillSpan(start, n, cp + n, pages, tail, r))
             if c + n == req.num_tokens:
                 logit_idx.append(len(ids) - 1)
                 to_sample.append(req)

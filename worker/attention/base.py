@@ -41,6 +41,10 @@ class PrefillSpan:
     context_len: int  # cached + new tokens: the keys this chunk attends to
     block_table: torch.Tensor  # (num_pages,) int64 page ids covering context_len
     residual_slot: int = -1  # quantized formats: the slot holding the partial last page
+    # quantized formats: the request's residual slot whatever the step leaves in it; before
+    # the step's write it holds the chunk's first page's earlier tokens, which the chunk's
+    # queries read exact (see own_page_attention_mask)
+    request_slot: int = -1
 
 
 def causal_prefill_mask(

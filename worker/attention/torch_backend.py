@@ -6,7 +6,8 @@ table point at the null page (page 0), which holds zeros, so masked positions ne
 uninitialised memory.
 
 Quantized formats are read by dequantizing the gathered pages (``kernels.quant``), with a
-request's partially filled last page taken from its full-precision residual slot instead.
+request's partially filled last page taken from its full-precision residual slot instead;
+a prefill chunk's queries read their own pages exact (``own_page``).
 
 Decode (one query token per request) folds each KV head's group of query heads into the
 query-length axis: q (B, Hkv, G, D) against k (B, Hkv, L, D). Every K/V tile is read once
@@ -30,6 +31,11 @@ from kvmesh.worker.attention.base import (
     AttentionMetadata,
     LayerCache,
     causal_prefill_mask,
+)
+from kvmesh.worker.attention.own_page import (
+    exact_own_pages,
+    own_page_attention,
+    own_page_mask,
 )
 
 
@@ -73,7 +79,9 @@ class TorchAttentionBackend(AttentionBackend):
             # quantized page must be read back as stored)
             fresh = span.context_len == span.q_len and not quantized
             mask = None
-            if not fresh or self.sliding_window is not None:
+            if quantized:  # complete pages quantized, each query's own page exact
+                mask = own_page_mask(span, bs, dev, self.sliding_window)  # (q_len, Lq + Lx)
+            elif not fresh or self.sliding_window is not None:
                 mask = causal_prefill_mask(span, dev, self.sliding_window)  # (q_len, ctx)
             self._prefill.append((span, fresh, mask))
         if quantized:
@@ -109,7 +117,10 @@ class TorchAttentionBackend(AttentionBackend):
         if rot is not None:  # int4 keeps V rotated (kernels.quant); the output is turned back
             v = self._hadamard(v, rot)
         native = self._native is not None and q.device.type == "cpu"
+        exact = []  # quantized: each prefill chunk's own pages in full precision, pre-write
         if cache.quantized:
+            for span, _, _ in self._prefill:
+                exact.append(exact_own_pages(span, k, v, cache.residual_k, cache.residual_v, bs))
             from kvmesh.kernels.cache_write import write_kv_cache  # Triton on CUDA
 
             if native and cache.residual_k.dtype == torch.float32:
@@ -164,7 +175,7 @@ class TorchAttentionBackend(AttentionBackend):
                 qq, kk, vv, attn_mask=self._decode_mask, scale=scale
             )  # (B, Hkv, G, D)
             out[:nd] = o.reshape(B, Hq, D)
-        for span, fresh, mask in self._prefill:
+        for i, (span, fresh, mask) in enumerate(self._prefill):
             s, n = span.start, span.q_len
             qq = q[s : s + n].transpose(0, 1).unsqueeze(0)  # (1, Hq, n, D)
             if fresh:  # keys are exactly this chunk's: no gather
@@ -172,12 +183,13 @@ class TorchAttentionBackend(AttentionBackend):
                 kdt = cache.views["k"].dtype
                 kk = k[s : s + n].to(kdt).to(q.dtype).transpose(0, 1).unsqueeze(0)
                 vv = v[s : s + n].to(kdt).to(q.dtype).transpose(0, 1).unsqueeze(0)
+            elif cache.quantized:  # the complete pages, then the chunk's own pages exact
+                o = own_page_attention(q[s : s + n], exact[i], cache, span, mask, scale, bs)
+                out[s : s + n] = o
+                continue
             else:
                 ctx = span.context_len
                 kk, vv = self._read_pages(cache, span.block_table, q.dtype)  # (P, bs, Hkv, D)
-                if cache.quantized and ctx % bs:
-                    kk[ctx // bs] = cache.residual_k[span.residual_slot].to(q.dtype)
-                    vv[ctx // bs] = cache.residual_v[span.residual_slot].to(q.dtype)
                 kk = kk.view(-1, Hkv, D)[:ctx].transpose(0, 1).unsqueeze(0)  # (1, Hkv, ctx, D)
                 vv = vv.view(-1, Hkv, D)[:ctx].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(

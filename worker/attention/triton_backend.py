@@ -4,7 +4,10 @@ Each op dispatches by device: the Triton kernel on CUDA, its torch twin elsewher
 backend also runs (slowly, as a check of its wiring) on CPU. The kernels walk the block
 tables themselves: nothing gathers the cache into a dense copy. Order per layer: write the
 step's K/V (quantizing pages that fill), then decode attention for the single-token rows and
-prefill attention for the chunks, which reads every key from the cache, its own included.
+prefill attention for the chunks, which reads every key from the cache, its own included
+(float formats; over a quantized cache each query reads its own page exact, as in decode,
+through the torch ops of ``worker.attention.own_page``: the Triton prefill kernel does not
+do that yet).
 """
 
 from __future__ import annotations
@@ -16,6 +19,11 @@ from kvmesh.kernels.decode_attention import paged_decode_attention
 from kvmesh.kernels.prefill_attention import paged_prefill_attention
 from kvmesh.kernels.quant import hadamard_transform, value_rotation_block
 from kvmesh.worker.attention.base import AttentionBackend, AttentionMetadata, LayerCache
+from kvmesh.worker.attention.own_page import (
+    exact_own_pages,
+    own_page_attention,
+    own_page_mask,
+)
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -57,6 +65,10 @@ class TritonAttentionBackend(AttentionBackend):
         if rot is not None:  # int4 keeps V rotated (kernels.quant); the output is turned back
             v = hadamard_transform(v, rot)
         res = dict(residual_k=cache.residual_k, residual_v=cache.residual_v)
+        exact = []  # quantized: each prefill chunk's own pages in full precision, pre-write
+        if cache.quantized and self._prefill is not None:
+            bs = meta.block_size
+            exact = [exact_own_pages(s, k, v, *res.values(), bs) for s in meta.prefills]
         if cache.quantized:
             write_kv_cache(
                 fmt=cache.cache_format,
@@ -92,7 +104,13 @@ class TritonAttentionBackend(AttentionBackend):
                 num_splits=self.num_splits,
                 out=out[:nd],
             )
-        if self._prefill is not None:
+        if exact:  # each query's own page exact (worker.attention.own_page): torch ops
+            for span, x in zip(meta.prefills, exact):
+                mask = own_page_mask(span, meta.block_size, q.device, self.sliding_window)
+                qs = q[span.start : span.start + span.q_len]
+                o = own_page_attention(qs, x, cache, span, mask, scale, meta.block_size)
+                out[span.start : span.start + span.q_len] = o
+        elif self._prefill is not None:
             p = self._prefill
             paged_prefill_attention(
                 q=q,

@@ -1,0 +1,117 @@
+"""Prefill over a quantized cache reads each query's own page exact, as decode does.
+
+A quantized page is quantized when it fills; until then its tokens live in the request's
+full-precision residual slot, which is what decode reads for the partial last page. So in
+decode a query at position ``p`` sees every page that was complete at ``p`` quantized and
+its own page, up to ``p``, exact, unless ``p`` is the page's last position (its token
+completes the page, which is quantized in that step and read back quantized).
+
+Prefill gives every query of a chunk that same view: pages complete at its position
+quantized (read from the pool), its own page exact (the tokens of earlier steps from the
+request's residual slot as it was before this step's write, the chunk's own tokens from
+the step's K/V). A token's attention output then does not depend on how its prompt was
+chunked, nor on whether it was prefilled or decoded (up to float rounding), and the
+chunk's queries do not read their own neighbourhood through the quantizer (issue 23: this
+roughly halved KL(fp32 || int4) on SmolLM2-135M).
+
+Keys are two runs: ``Lq`` quantized positions ``[0, Lq)`` (the pages complete after the
+step's write), then the exact pages of the chunk, positions ``[E0, E0 + Lx)`` where ``E0``
+starts the page of the chunk's first token. ``own_page_mask`` says which of the
+``Lq + Lx`` keys each query reads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvmesh.worker.attention.base import PrefillSpan
+
+
+def own_page_geometry(span: PrefillSpan, block_size: int) -> tuple[int, int, int]:
+    """``(Lq, E0, Lx)``: quantized keys ``[0, Lq)``, exact keys ``[E0, E0 + Lx)`` (whole
+    pages: positions from ``context_len`` on are masked)."""
+    bs, ctx = block_size, span.context_len
+    e0 = (ctx - span.q_len) // bs * bs
+    return ctx // bs * bs, e0, -(-ctx // bs) * bs - e0
+
+
+def own_page_mask(
+    span: PrefillSpan, block_size: int, device: torch.device, sliding_window: int | None = None
+) -> torch.Tensor:
+    """(q_len, Lq + Lx) bool: query ``p`` reads quantized key ``j`` when ``j <= p`` and j's
+    page is complete at ``p``, and exact key ``j`` when ``j <= p`` and j is in p's own,
+    still partial page."""
+    bs = block_size
+    lq, e0, lx = own_page_geometry(span, bs)
+    qpos = torch.arange(span.context_len - span.q_len, span.context_len, device=device)[:, None]
+    qpage = qpos // bs
+    closes = qpos % bs == bs - 1  # its token completes its page: the page reads quantized
+    kq = torch.arange(lq, device=device)[None, :]
+    kx = torch.arange(e0, e0 + lx, device=device)[None, :]
+    mq = (kq <= qpos) & ((kq // bs < qpage) | closes)
+    mx = (kx <= qpos) & (kx // bs == qpage) & ~closes
+    if sliding_window is not None:
+        mq &= kq > qpos - sliding_window
+        mx &= kx > qpos - sliding_window
+    return torch.cat([mq, mx], dim=1)
+
+
+def exact_own_pages(
+    span: PrefillSpan,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    residual_k: torch.Tensor,
+    residual_v: torch.Tensor,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunk's pages in full precision, ``(Lx, Hkv, D)`` each in the residual's dtype:
+    the first page's earlier tokens from ``span.request_slot`` (call this before the step's
+    write, which may reuse the slot), then the chunk's tokens ``k/v[start:start + q_len]``
+    (V as stored: rotated where the format rotates it), zeros after ``context_len``."""
+    _, e0, lx = own_page_geometry(span, block_size)
+    head = span.context_len - span.q_len - e0  # earlier tokens of the first page
+    s, n = span.start, span.q_len
+    out = []
+    for new, res in ((k, residual_k), (v, residual_v)):
+        x = res.new_zeros((lx, *res.shape[2:]))
+        if head:
+            if span.request_slot < 0:
+                raise AssertionError("a chunk continuing a partial page has no residual slot")
+            x[:head] = res[span.request_slot, :head]
+        x[head : head + n] = new[s : s + n].to(res.dtype)
+        out.append(x)
+    return out[0], out[1]
+
+
+def own_page_attention(
+    q: torch.Tensor,
+    exact: tuple[torch.Tensor, torch.Tensor],
+    cache,
+    span: PrefillSpan,
+    mask: torch.Tensor,
+    scale: float,
+    block_size: int,
+) -> torch.Tensor:
+    """A chunk's attention over a quantized cache (``cache`` a ``LayerCache``, after the
+    step's write): ``q`` (q_len, Hq, D), ``exact`` from ``exact_own_pages``, ``mask`` from
+    ``own_page_mask``; returns (q_len, Hq, D) in q's dtype (V as stored: still rotated)."""
+    import torch.nn.functional as F
+
+    from kvmesh.kernels.quant import dequantize_pages
+
+    pages = span.block_table[: span.context_len // block_size]  # complete after the write
+    comps = {name: t.index_select(0, pages) for name, t in cache.views.items()}
+    kq, vq = dequantize_pages(cache.cache_format, comps, q.dtype)  # (nq, bs, Hkv, D)
+    H, D = kq.shape[2:]
+    xk, xv = exact
+    kk = torch.cat([kq.reshape(-1, H, D), xk.to(q.dtype)]).transpose(0, 1)  # (Hkv, L, D)
+    vv = torch.cat([vq.reshape(-1, H, D), xv.to(q.dtype)]).transpose(0, 1)
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),  # (1, Hq, n, D)
+        kk.unsqueeze(0),
+        vv.unsqueeze(0),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=q.shape[1] != H,
+    )
+    return o[0].transpose(0, 1)
