@@ -146,8 +146,9 @@ def register_worker(
     name: str = "test-worker",
 ) -> None:
     """Register a worker with an in-process ``RouterServer`` the way the Ray shell does
-    (``RouterServer.register_worker``, on the router's loop), with no pages and no load yet. The router's
-    core should be built with a long ``report_timeout_s``: nothing reports for this worker."""
+    (``RouterServer.register_worker``, on the router's loop), with no pages and no load
+    yet. The router's core should be built with a long ``report_timeout_s``: nothing
+    reports for this worker."""
     info = {
         "worker_id": worker_id,
         "name": name,
