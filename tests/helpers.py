@@ -79,9 +79,12 @@ def local_cluster(
     except ImportError:  # never skip: a missing Ray is a broken set-up
         pytest.fail("ray is not installed: run `make setup` (or `pip install ray`)", pytrace=False)
 
+    import psutil  # installed with accelerate (a test dependency)
+
     from kvmesh.cluster.serve import Cluster, ClusterConfig
 
     for attempt in range(RAY_START_ATTEMPTS):
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
         try:
             ray.init(
                 address="local",
@@ -99,6 +102,14 @@ def local_cluster(
                 raise
             print(f"local_cluster: Ray's node start timed out ({e}); starting it again")
             ray.shutdown()
+            # the failed start's GCS and raylet were spawned before Ray gave up, and
+            # ray.shutdown() does not know them: end them, or they compete with the retry
+            new = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+            for p in new:
+                p.terminate()
+            _, alive = psutil.wait_procs(new, timeout=10)
+            for p in alive:
+                p.kill()
     try:
         cfg = ClusterConfig(
             workers=workers,

@@ -85,8 +85,9 @@ class KVOffloader:
         self._evicted: list[tuple[bytes, int]] = []  # (hash, page id) awaiting a copy
         self._fetches: dict[str, Future] = {}
         self._fetch_info: dict[str, tuple[Request, int]] = {}  # request id -> (it, first page)
-        # request id -> when the fetch thread began its fetch (set on that thread)
-        self._fetch_began: dict[str, float] = {}
+        # (request id, start) of the fetch the fetch thread runs now, None between fetches
+        self._running: tuple[str, float] | None = None
+        self._peer_lock = threading.Lock()  # _peer_store: an abandoned thread may still run
         # page hash -> the future of the spill batch carrying it, until that batch is stored
         self._spilling: dict[bytes, Future] = {}
         # set once a fetch's future is done (its done-callback: set from inside the fetch,
@@ -223,6 +224,12 @@ class KVOffloader:
         self._peer_tls = tls
 
     def _peer_store(self, address: str) -> TieredStore:
+        """The peer's store, made on first use (fetch thread; serialised, since a thread
+        abandoned by ``take_fetch`` may come back to life beside its successor)."""
+        with self._peer_lock:
+            return self._peer_store_locked(address)
+
+    def _peer_store_locked(self, address: str) -> TieredStore:
         """The one-tier store of a peer (fetch thread only). At most ``MAX_PEER_STORES``
         are kept: workers that restart come back on new ports, and the oldest go."""
         store = self._peer_stores.get(address)
@@ -276,7 +283,20 @@ class KVOffloader:
             out[i] = g
         return out
 
-    def _fetch(
+    def _fetch(self, req: Request, *args) -> FetchResult:
+        """``_fetch_run_all`` on the fetch thread, which ``take_fetch`` watches through
+        ``_running`` (an abandoned thread, if its call ever returns, clears only its own)."""
+        mine = (req.request_id, time.monotonic())
+        with self._lock:
+            self._running = mine
+        try:
+            return self._fetch_run_all(req, *args)
+        finally:
+            with self._lock:
+                if self._running is mine:
+                    self._running = None
+
+    def _fetch_run_all(
         self,
         req: Request,
         first_page: int,
@@ -285,8 +305,6 @@ class KVOffloader:
         spilled: Collection[Future] = (),
         started: float | None = None,
     ) -> FetchResult:
-        if req.request_id in self._fetch_info:  # not aborted while it was queued
-            self._fetch_began[req.request_id] = time.monotonic()
         tiers: list[str] = []
         payloads: list[memoryview | None] = []
         try:
@@ -354,7 +372,6 @@ class KVOffloader:
         """Forget a request's fetch (aborted); its result, if any, is dropped."""
         self._fetches.pop(request_id, None)
         self._fetch_info.pop(request_id, None)
-        self._fetch_began.pop(request_id, None)
 
     def take_fetch(self, request_id: str) -> FetchResult | None:
         """The finished fetch of this request (once), or None while it is in flight. A
@@ -364,29 +381,40 @@ class KVOffloader:
         if f is None:
             return None
         if not f.done():
-            began = self._fetch_began.get(request_id)
-            if began is None or time.monotonic() - began < self.fetch_abandon_s:
+            self._abandon_if_stuck()  # whichever request's fetch holds the thread
+            f = self._fetches[request_id]
+            if not f.done():
                 return None
-            req, first_page = self._fetch_info[request_id]
-            self._abandon_fetch_thread(request_id)
-            return FetchResult(req, first_page, [], [])
         self.cancel(request_id)
         return f.result()
 
-    def _abandon_fetch_thread(self, request_id: str) -> None:
+    def _abandon_if_stuck(self) -> None:
+        """Abandon the fetch thread when its current fetch has run ``fetch_abandon_s``: that
+        fetch's request (if it still waits) gets an empty result, the fetches queued behind
+        it move to a fresh thread. Engine thread."""
+        with self._lock:
+            cur = self._running
+            if cur is None or time.monotonic() - cur[1] < self.fetch_abandon_s:
+                return
+            self._running = None
+            self.metrics["fetches_abandoned"] += 1
+            self.metrics["promotion_errors"] += 1
+        rid = cur[0]
         logger.warning(
             "the prefix fetch of %s is still running after %.1fs (past every deadline its "
             "calls have): abandoned, the request computes its prefix; later fetches move "
             "to a new thread",
-            request_id,
+            rid,
             self.fetch_abandon_s,
         )
-        self.cancel(request_id)
-        with self._lock:
-            self.metrics["fetches_abandoned"] += 1
-            self.metrics["promotion_errors"] += 1
         stuck, self._fetch_pool = self._fetch_pool, DaemonExecutor("kvmesh-fetch")
         stuck.move_queued_to(self._fetch_pool)
+        info = self._fetch_info.get(rid)
+        if rid in self._fetches and info is not None:  # its request still waits: it computes
+            empty: Future = Future()
+            empty.set_result(FetchResult(info[0], info[1], [], []))
+            self._fetches[rid] = empty
+            self._done.set()
 
     def wait_for_fetch(self, timeout: float) -> None:
         """Block until some fetch finishes (or ``timeout``): for an engine with nothing else

@@ -98,9 +98,13 @@ def prompts(smol_llm, shakespeare):
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_greedy_matches_fake_quantized_transformers(fmt, hf_smol, prompts):
+def test_greedy_matches_fake_quantized_transformers(fmt, hf_smol, prompts, monkeypatch):
     """One request at a time, prefilled in chunks of 40 (pages fill across chunk boundaries,
-    from the residual and new tokens), then decoded: token for token."""
+    from the residual and new tokens), then decoded: token for token. The chunk's queries
+    go to attention in blocks of 16 (3 per chunk), as a long chunk's go in blocks of 256."""
+    from kvmesh.worker.attention import own_page
+
+    monkeypatch.setattr(own_page, "OWN_PAGE_QUERY_BLOCK", 16)
     llm = LLM(
         "smollm2-135m-instruct",
         kv_cache_dtype=fmt,

@@ -170,6 +170,31 @@ def test_a_fetch_stuck_past_its_bound_is_abandoned_and_the_next_fetch_still_runs
         tier.release.set()
 
 
+def test_a_stuck_fetch_is_abandoned_even_after_its_own_request_was_aborted():
+    # the client gave up on the hung request: the fetches queued behind it must still run
+    tier = StuckTier()
+    sched, conn, _, _ = make([tier])
+    conn.offloader.fetch_abandon_s = 0.3
+    a, b = make_req("a", range(10, 19)), make_req("b", range(30, 39))
+    sched.add(a)
+    sched.add(b)
+    try:
+        assert sched.schedule().scheduled == []
+        assert a.status is RequestStatus.PROMOTING and b.status is RequestStatus.PROMOTING
+        sched.finish(a, RequestStatus.FINISHED_ABORTED)
+        time.sleep(0.4)
+        steps: list = []
+        for _ in range(300):
+            steps.append(step(sched, conn))
+            if ("b", 9) in sum(steps, []):
+                break
+            time.sleep(0.01)
+        assert ("b", 9) in sum(steps, [])
+        assert tier.calls == 2 and conn.metrics()["offload"]["fetches_abandoned"] == 1
+    finally:
+        tier.release.set()
+
+
 def test_a_stuck_fetch_thread_does_not_hold_the_process_at_exit():
     code = (
         "import threading\n"

@@ -26,6 +26,8 @@ import torch
 
 from kvmesh.worker.attention.base import PrefillSpan
 
+OWN_PAGE_QUERY_BLOCK = 256  # query rows per SDPA call in own_page_attention
+
 
 def own_page_geometry(span: PrefillSpan, block_size: int) -> tuple[int, int, int]:
     """``(Lq, E0, Lx)``: quantized keys ``[0, Lq)``, exact keys ``[E0, E0 + Lx)`` (whole
@@ -106,12 +108,18 @@ def own_page_attention(
     xk, xv = exact
     kk = torch.cat([kq.reshape(-1, H, D), xk.to(q.dtype)]).transpose(0, 1)  # (Hkv, L, D)
     vv = torch.cat([vq.reshape(-1, H, D), xv.to(q.dtype)]).transpose(0, 1)
-    o = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0),  # (1, Hq, n, D)
-        kk.unsqueeze(0),
-        vv.unsqueeze(0),
-        attn_mask=mask,
-        scale=scale,
-        enable_gqa=q.shape[1] != H,
-    )
-    return o[0].transpose(0, 1)
+    qq = q.transpose(0, 1).unsqueeze(0)  # (1, Hq, n, D)
+    out = torch.empty_like(qq)
+    # in blocks of queries: a masked SDPA may run the math kernel, whose scores are
+    # (Hq, rows, L): a whole long chunk against a long context at once is gigabytes
+    for i in range(0, qq.shape[2], OWN_PAGE_QUERY_BLOCK):
+        j = i + OWN_PAGE_QUERY_BLOCK
+        out[:, :, i:j] = F.scaled_dot_product_attention(
+            qq[:, :, i:j],
+            kk.unsqueeze(0),
+            vv.unsqueeze(0),
+            attn_mask=mask[i:j],
+            scale=scale,
+            enable_gqa=q.shape[1] != H,
+        )
+    return out[0].transpose(0, 1)
