@@ -142,26 +142,39 @@ def test_a_failed_fetch_computes_the_prefix_instead():
     assert step(sched, conn) == [("r", 1)]
 
 
-def test_a_fetch_stuck_past_its_bound_is_abandoned_and_the_next_fetch_still_runs():
+def stuck_pair():
+    """A tier whose first ``get`` hangs (until released), and requests a and b both
+    PROMOTING: a's fetch stuck in it, b's queued behind; abandonment after 0.3 s."""
     tier = StuckTier()
     sched, conn, _, _ = make([tier])
     conn.offloader.fetch_abandon_s = 0.3
     a, b = make_req("a", range(10, 19)), make_req("b", range(30, 39))
     sched.add(a)
     sched.add(b)
+    assert sched.schedule().scheduled == []
+    assert a.status is RequestStatus.PROMOTING and b.status is RequestStatus.PROMOTING
+    return tier, sched, conn, a, b
+
+
+def steps_until(sched, conn, item, steps=None, max_steps: int = 300) -> list:
+    """Engine steps (10 ms apart: fetches run on their own thread) until ``item`` ran."""
+    steps = [] if steps is None else steps
+    for _ in range(max_steps):
+        if item in sum(steps, []):
+            break
+        time.sleep(0.01)
+        steps.append(step(sched, conn))
+    return sum(steps, [])
+
+
+def test_a_fetch_stuck_past_its_bound_is_abandoned_and_the_next_fetch_still_runs():
+    tier, sched, conn, a, b = stuck_pair()
     try:
-        assert sched.schedule().scheduled == []
-        assert a.status is RequestStatus.PROMOTING and b.status is RequestStatus.PROMOTING
         time.sleep(0.4)  # a's fetch is stuck in the tier; b's is queued behind it
         steps = run_until_scheduled(sched, conn)
         # a computes its whole prompt; b's fetch ran on the new thread (and failed: misses)
         assert ("a", 9) in sum(steps, [])
-        for _ in range(200):  # b's fetch runs on the new thread now: give it time
-            if ("b", 9) in sum(steps, []):
-                break
-            time.sleep(0.01)
-            steps.append(step(sched, conn))
-        assert ("b", 9) in sum(steps, [])
+        assert ("b", 9) in steps_until(sched, conn, ("b", 9), steps)
         assert a.num_cached_tokens == 0 and b.num_cached_tokens == 0
         assert tier.calls == 2  # b's fetch did run, after a's was abandoned
         off = conn.metrics()["offload"]
@@ -172,24 +185,11 @@ def test_a_fetch_stuck_past_its_bound_is_abandoned_and_the_next_fetch_still_runs
 
 def test_a_stuck_fetch_is_abandoned_even_after_its_own_request_was_aborted():
     # the client gave up on the hung request: the fetches queued behind it must still run
-    tier = StuckTier()
-    sched, conn, _, _ = make([tier])
-    conn.offloader.fetch_abandon_s = 0.3
-    a, b = make_req("a", range(10, 19)), make_req("b", range(30, 39))
-    sched.add(a)
-    sched.add(b)
+    tier, sched, conn, a, b = stuck_pair()
     try:
-        assert sched.schedule().scheduled == []
-        assert a.status is RequestStatus.PROMOTING and b.status is RequestStatus.PROMOTING
         sched.finish(a, RequestStatus.FINISHED_ABORTED)
         time.sleep(0.4)
-        steps: list = []
-        for _ in range(300):
-            steps.append(step(sched, conn))
-            if ("b", 9) in sum(steps, []):
-                break
-            time.sleep(0.01)
-        assert ("b", 9) in sum(steps, [])
+        assert ("b", 9) in steps_until(sched, conn, ("b", 9))
         assert tier.calls == 2 and conn.metrics()["offload"]["fetches_abandoned"] == 1
     finally:
         tier.release.set()
