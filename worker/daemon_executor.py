@@ -10,7 +10,9 @@ work queued behind it to a fresh executor, and lets the stuck thread die with th
 from __future__ import annotations
 
 import queue
+import sys
 import threading
+import traceback
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -75,6 +77,13 @@ class DaemonExecutor:
                 fut.cancel()
             return []
         return left
+
+    def stack(self) -> str:
+        """Where the executor's thread is now, as a formatted stack (empty when it has not
+        started or has ended): what an owner logs when it abandons a stuck call."""
+        thread = self._thread
+        frame = None if thread is None else sys._current_frames().get(thread.ident)
+        return "".join(traceback.format_stack(frame)) if frame is not None else ""
 
     def move_queued_to(self, other: DaemonExecutor) -> None:
         """Shut down, handing the calls not yet started (their futures unchanged) to

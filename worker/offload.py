@@ -400,14 +400,15 @@ class KVOffloader:
             self.metrics["fetches_abandoned"] += 1
             self.metrics["promotion_errors"] += 1
         rid = cur[0]
+        stuck, self._fetch_pool = self._fetch_pool, DaemonExecutor("kvmesh-fetch")
         logger.warning(
             "the prefix fetch of %s is still running after %.1fs (past every deadline its "
             "calls have): abandoned, the request computes its prefix; later fetches move "
-            "to a new thread",
+            "to a new thread. The stuck thread is at:\n%s",
             rid,
             self.fetch_abandon_s,
+            stuck.stack() or "(its stack is not available)",
         )
-        stuck, self._fetch_pool = self._fetch_pool, DaemonExecutor("kvmesh-fetch")
         stuck.move_queued_to(self._fetch_pool)
         info = self._fetch_info.get(rid)
         if rid in self._fetches and info is not None:  # its request still waits: it computes

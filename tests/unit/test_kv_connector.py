@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import logging
 import time
 
 import torch
@@ -167,11 +168,15 @@ def steps_until(sched, conn, item, steps=None, max_steps: int = 300) -> list:
     return sum(steps, [])
 
 
-def test_a_fetch_stuck_past_its_bound_is_abandoned_and_the_next_fetch_still_runs():
+def test_a_fetch_stuck_past_its_bound_is_abandoned_and_the_next_fetch_still_runs(caplog):
     tier, sched, conn, a, b = stuck_pair()
     try:
         time.sleep(0.4)  # a's fetch is stuck in the tier; b's is queued behind it
-        steps = run_until_scheduled(sched, conn)
+        with caplog.at_level(logging.WARNING, logger="kvmesh.worker.offload"):
+            steps = run_until_scheduled(sched, conn)
+        # the warning shows where the thread is stuck: the tier's get, waiting on its event
+        warned = [r.getMessage() for r in caplog.records if "abandoned" in r.getMessage()]
+        assert len(warned) == 1 and "in get" in warned[0] and "release.wait" in warned[0]
         # a computes its whole prompt; b's fetch ran on the new thread (and failed: misses)
         assert ("a", 9) in sum(steps, [])
         assert ("b", 9) in steps_until(sched, conn, ("b", 9), steps)
