@@ -30,9 +30,9 @@ MAX_PEERS = 8  # addresses one PeerTier may hold (a request names at most MAX_PE
 # how long a failed peer counts as down (``PeerTier.healthy``) without failing again: a peer
 # no request names any more (a worker gone for good) must not keep the tier down forever
 DOWN_HOLD_S = 60.0
-# a streaming Fetch is cancelled by PeerTier itself this long after its gRPC deadline: under
-# heavy load one was seen blocked in ``initial_metadata()`` minutes past its deadline, which
-# held the fetch thread (and the request waiting on it) with it
+# a streaming Fetch is cancelled by PeerTier itself this long after its gRPC deadline, and
+# left a second later: under heavy load one was seen blocked in ``initial_metadata()``
+# minutes past its deadline, which held the fetch thread (and the request waiting on it)
 FETCH_WATCHDOG_GRACE_S = 2.0
 
 
@@ -364,32 +364,63 @@ class PeerTier(Tier):
         self, stub: pb_grpc.KVTransferStub, hashes: list[bytes], timeout: float
     ) -> tuple[dict[int, bytes], Exception | None]:
         """The complete, intact objects of one Fetch by position, and the fault if the call
-        failed part-way (what arrived before it is kept: every object is CRC-checked)."""
+        failed part-way (what arrived before it is kept: every object is CRC-checked).
+
+        The call is read on a thread of its own, and this one waits for it at most
+        ``timeout + FETCH_WATCHDOG_GRACE_S`` (then cancels the call) plus one second more
+        (then leaves it): grpc's blocking reads wait on events its core delivers, and a read
+        that never gets its event (seen under heavy load, minutes past the deadline, even
+        after ``cancel``) must not hold the fetch, and the request waiting on it, with it."""
         got: dict[int, bytes] = {}
+        lock = threading.Lock()  # ``got`` and ``state``: the reader may outlive this call
+        state: dict = {"error": None, "left": False}
+        finished = threading.Event()
         asm = PageAssembler(self.max_page_bytes)
         md, nonce = self.identity.challenge()
         call = stub.Fetch(pb.FetchRequest(hashes=hashes), timeout=timeout, metadata=md)
-        watchdog = threading.Timer(timeout + FETCH_WATCHDOG_GRACE_S, call.cancel)
-        watchdog.daemon = True
-        watchdog.start()
-        try:
-            self._check_proof(nonce, call)  # before a single piece is taken
-            for chunk in call:
-                for piece in chunk.pieces:
-                    if piece.index >= len(hashes) or piece.hash != hashes[piece.index]:
-                        raise ValueError(f"piece for an unrequested page (index {piece.index})")
-                    done = asm.add(piece.index, piece)
-                    if done is not None and done[0]:
-                        got[piece.index] = done[1]
-        except (grpc.RpcError, ValueError) as e:
+
+        def read() -> None:
+            try:
+                self._check_proof(nonce, call)  # before a single piece is taken
+                for chunk in call:
+                    for piece in chunk.pieces:
+                        if piece.index >= len(hashes) or piece.hash != hashes[piece.index]:
+                            raise ValueError(f"piece for an unrequested page (index {piece.index})")
+                        done = asm.add(piece.index, piece)
+                        if done is not None and done[0]:
+                            with lock:
+                                if state["left"]:
+                                    return
+                                got[piece.index] = done[1]
+            except (grpc.RpcError, ValueError) as e:
+                call.cancel()
+                state["error"] = e
+            except Exception as e:  # a bug here must reach the caller, not kill a thread
+                call.cancel()
+                state["error"] = detached(e)
+            finally:
+                if asm.corrupt:
+                    with self._lock:
+                        self.metrics["corrupt"] += asm.corrupt
+                finished.set()
+
+        reader = threading.Thread(target=read, name="kvmesh-peer-fetch", daemon=True)
+        reader.start()
+        if not finished.wait(timeout + FETCH_WATCHDOG_GRACE_S):
             call.cancel()
-            return got, e
-        finally:
-            watchdog.cancel()
-            if asm.corrupt:
-                with self._lock:
-                    self.metrics["corrupt"] += asm.corrupt
-        return got, None
+            if not finished.wait(1.0):
+                with lock:
+                    state["left"] = True
+                    kept = dict(got)
+                return kept, TimeoutError(
+                    f"Fetch still running {timeout + FETCH_WATCHDOG_GRACE_S + 1.0:.3g}s after "
+                    f"it began (deadline {timeout:.3g}s), even after a cancel: left behind"
+                )
+        if state["error"] is not None and not isinstance(
+            state["error"], (grpc.RpcError, ValueError)
+        ):
+            raise state["error"]
+        return got, state["error"]
 
     def _check_proof(self, nonce: str, call) -> None:
         """Raise PeerAuthError unless the call's initial metadata proves the peer a member

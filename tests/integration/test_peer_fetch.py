@@ -395,11 +395,12 @@ class _StuckFetchCall:
 
 
 class _StuckStub:
-    def __init__(self):
+    def __init__(self, call_type=_StuckFetchCall):
+        self.call_type = call_type
         self.calls: list[_StuckFetchCall] = []
 
     def Fetch(self, request, timeout, metadata):  # noqa: N802 - gRPC's method name
-        self.calls.append(_StuckFetchCall())
+        self.calls.append(self.call_type())
         return self.calls[-1]
 
 
@@ -416,5 +417,36 @@ def test_a_fetch_whose_call_outlives_its_deadline_is_cancelled_by_the_watchdog(m
         assert got == {} and err is not None  # misses, never pages or an exception
         assert stub.calls[0].cancelled()
         assert took < 30, f"the stuck call held the fetch {took:.1f}s"  # 60 s without it
+    finally:
+        peer.close()
+
+
+class _DeafFetchCall(_StuckFetchCall):
+    """A call whose status arrived but whose initial metadata never does: grpc's rendezvous
+    then waits for it forever, and ``cancel`` does nothing (the call is over already)."""
+
+    def initial_metadata(self):
+        self._cancelled.wait(60)  # cancel() below never sets it
+        return ()
+
+    def cancel(self):
+        return False
+
+    def cancelled(self):
+        return False
+
+
+def test_a_fetch_whose_read_ignores_the_cancel_is_left_behind(monkeypatch):
+    import kvmesh.kvstore.peer.tier as tier_mod
+
+    monkeypatch.setattr(tier_mod, "FETCH_WATCHDOG_GRACE_S", 0.2)
+    peer = PeerTier(f"127.0.0.1:{free_port()}", identity=ID, timeout=0.3, data_plane=False)
+    try:
+        stub = _StuckStub(_DeafFetchCall)
+        t0 = time.monotonic()
+        got, err = peer._fetch(stub, [h(1)], timeout=0.3)
+        took = time.monotonic() - t0
+        assert got == {} and isinstance(err, TimeoutError) and "left behind" in str(err)
+        assert took < 10, f"the deaf call held the fetch {took:.1f}s"  # 60 s without it
     finally:
         peer.close()

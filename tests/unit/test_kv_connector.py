@@ -4,10 +4,10 @@ the device byte for byte, and computes what a failed fetch could not bring."""
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import threading
-import logging
 import time
 
 import torch
