@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.cluster.calibrate import CalibrationError, redis_url_for
+from kvmesh.cluster.calibrate import TIER_COSTS, CalibrationError, redis_url_for
 from kvmesh.cluster.cli import main
 from kvmesh.router.profiles import SimProfile, get_profile
 
@@ -35,7 +35,10 @@ def test_quick_calibration_writes_a_profile_the_simulator_accepts(
     assert data["name"] == "t"
     for k in NUMBERS:
         v = data[k]
-        assert isinstance(v, int | float) and math.isfinite(v) and v > 0, (k, v)
+        # a tier load no slower than a device hit is 0, "free" (check_measured): host RAM
+        # often measures so; every other number is positive
+        least_ok = 0 if k in TIER_COSTS else math.ulp(0)
+        assert isinstance(v, int | float) and math.isfinite(v) and v >= least_ok, (k, v)
     assert data["kv_bytes_per_token"] == 30 * 3 * 64 * 2 * 4  # SmolLM2 at fp32
     m = data["measured"]
     assert m["model"] == "smollm2-135m-instruct" and m["kv_cache_format"] == "fp32"
