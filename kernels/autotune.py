@@ -82,9 +82,12 @@ ROUNDS = 7
 TIME_BUDGET_S = 0.25  # a measurement stops after 3 rounds once its rounds took this long
 MAX_TUNED_ROWS = 256  # larger products run F.linear untuned in exact mode (module doc)
 PREFILL_CANDIDATES = ("linear", "onednn")  # auto above MAX_TUNED_ROWS: MKL packed is for small M
-# auto: one measurement at this many rows stands for every bucket above MAX_TUNED_ROWS. Timing
-# the 1024- and 2048-row buckets too stalled the first long prompt for ~9.5 s (SmolLM2, 2 cores)
-PREFILL_TUNE_ROWS = 512
+# auto: one measurement at this many rows stands for every bucket above MAX_TUNED_ROWS (timing
+# each of 512, 1024 and 2048 stalled the first long prompt for ~9.5 s before the engine tuned at
+# start). 2,048, the default step budget, not 512: on the 2-core EPYC, oneDNN's lead over
+# F.linear for o and down was 6% at 512 rows (under the margin: F.linear kept) and 14-22% at
+# 2,048, the rows a full prefill step and a 2,048-token prompt run (bench/README.md)
+PREFILL_TUNE_ROWS = 2048
 # auto: a candidate replaces F.linear only when at least this much faster (median time ratio);
 # choices made from timing noise would differ host to host for no gain
 AUTO_MARGIN = 0.9

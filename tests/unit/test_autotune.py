@@ -141,6 +141,7 @@ def test_exact_mode_rejects_onednn_by_the_real_check():
 
 
 def test_products_above_256_rows_exact_runs_f_linear_auto_races_linear_and_onednn():
+    P = autotune.PREFILL_TUNE_ROWS
     timer = FakeTimer("onednn")
     tuner = GemmTuner(None, mode="exact", timer=timer)
     lin = _run(tuner, rows=257)
@@ -150,12 +151,12 @@ def test_products_above_256_rows_exact_runs_f_linear_auto_races_linear_and_onedn
     seen = []
     timer2 = lambda fns, rounds: seen.append(set(fns)) or {n: 1.0 for n in fns}  # noqa: E731
     auto = GemmTuner(None, mode="auto", timer=timer2)
-    assert _run(auto, rows=2048).plan == {512: "linear"} and auto.measured == 1
+    assert _run(auto, rows=2048).plan == {P: "linear"} and auto.measured == 1
     assert seen == [set(autotune.PREFILL_CANDIDATES)]
-    # one measurement (at 512 rows) stands for every prefill-sized bucket
+    # one measurement (at PREFILL_TUNE_ROWS) stands for every prefill-sized bucket
     lin = _run(GemmTuner(None, mode="auto", timer=timer), rows=700)
-    assert lin.plan == {512: "onednn"} and lin(torch.randn(1500, lin.weight.shape[1])) is not None
-    assert lin.plan == {512: "onednn"}
+    assert lin.plan == {P: "onednn"} and lin(torch.randn(1500, lin.weight.shape[1])) is not None
+    assert lin.plan == {P: "onednn"}
 
 
 def test_auto_keeps_f_linear_unless_a_candidate_is_clearly_faster():
@@ -191,8 +192,9 @@ def test_engine_sets_its_layers_tuner_by_kv_format(smol_src, monkeypatch):
         assert len(tuners) == 1 and len(model._packed()) == 4 * len(model.model.layers) + 1
         modes[fmt] = model.head.tuner.mode
         # chosen at start (warm-up): the head up to max_num_seqs (128) rows, the projections
-        # up to the step budget (2,048: one 512-row measurement in auto, F.linear in exact)
-        top = 512 if fmt == "auto" else 2048
+        # up to the step budget (2,048: one measurement at PREFILL_TUNE_ROWS in auto, F.linear
+        # in exact, bucket 2,048)
+        top = autotune.PREFILL_TUNE_ROWS if fmt == "auto" else 2048
         assert max(model.head.plan) == 128 and all(max(x.plan) == top for x in model._packed()[1:])
         del llm
     assert modes == {"auto": "auto", "int8": "exact"}
@@ -291,7 +293,7 @@ def test_warm_up_measures_each_shape_once_and_prepacks_what_it_chose(tmp_path, c
     head = PackedLinear(torch.randn(80, 32), tuner=tuner)
     with caplog.at_level(logging.INFO, logger="kvmesh.kernels.autotune"):
         got = warm_up([(lin, 600) for lin in same] + [(head, 4)])
-    # 48-wide: buckets 1..256 and one 512-row measurement standing for 512..2048; head 1, 2, 4
+    # 48-wide: buckets 1..256 and one measurement standing for 512..2048; head 1, 2, 4
     assert timer.calls == tuner.measured == 10 + 3 == got["measured"]
     assert all(lin.plan == same[0].plan for lin in same) and len(same[0].plan) == 10
     assert max(same[0].plan) == autotune.PREFILL_TUNE_ROWS and sorted(head.plan) == [1, 2, 4]
