@@ -16,7 +16,8 @@ more than ``MAX_TUNED_ROWS`` (256) rows run ``F.linear`` untuned (no candidate t
 bit-equal and faster, and timing MKL packed on a large weight at 2048 rows took most of a
 minute); in ``auto`` mode they race ``F.linear`` against oneDNN only (``PREFILL_CANDIDATES``:
 MKL packed multiplies 32 rows at a time and is not made for prefill sizes), which on the
-2-core EPYC was 1.0-1.6x faster than ``F.linear`` at prefill shapes (loaded machine). The
+2-core EPYC was 1.0-1.6x faster than ``F.linear`` at prefill shapes (loaded machine), timed
+once at ``PREFILL_TUNE_ROWS`` (2,048) for every bucket above 256. The
 engine chooses every bucket it will run when it starts (``cpu_linear.warm_up``), so no
 request waits on a measurement or sees a GEMM change mid-way; a bucket outside what it
 announced is chosen the first time a product of that size runs. A measurement times every
