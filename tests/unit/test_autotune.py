@@ -159,6 +159,27 @@ def test_products_above_256_rows_exact_runs_f_linear_auto_races_linear_and_onedn
     assert lin.plan == {P: "onednn"}
 
 
+def test_prefill_measurement_rows_shrink_for_huge_weights_only(monkeypatch):
+    """2,048 rows for every SmolLM2-sized weight; a weight whose 2,048-row product would pass
+    PREFILL_TUNE_MACS is measured at fewer rows (never under 512), and a layer's plan and the
+    tuning input it times follow."""
+    rows = autotune.prefill_tune_rows
+    assert rows(960, 576) == rows(3072, 576) == rows(576, 1536) == 2048  # SmolLM2 projections
+    assert rows(49152, 576) == 512  # its LM head (prefill-sized only when scoring)
+    assert rows(14336 * 2, 4096) == rows(4096, 4096) == 512  # an 8B model's: the floor
+    assert rows(1024, 1024 * 3) == 1024  # 2,048 x 3.1e6 = 6.4e9 > 4e9 >= 1,024 x 3.1e6
+    seen = []
+
+    def timer(fns, rounds):
+        seen.append({n: f().shape[0] for n, f in fns.items()})
+        return {n: 1.0 for n in fns}
+
+    monkeypatch.setattr(autotune, "PREFILL_TUNE_MACS", 48 * 32 * 1024)  # a 48 x 32 weight: 1,024
+    lin = PackedLinear(torch.randn(48, 32), tuner=GemmTuner(None, mode="auto", timer=timer))
+    lin(torch.randn(700, 32))
+    assert lin.plan == {1024: "linear"} and seen == [{"linear": 1024, "onednn": 1024}]
+
+
 def test_auto_keeps_f_linear_unless_a_candidate_is_clearly_faster():
     near = lambda fns, rounds: {n: (0.95 if n != "linear" else 1.0) for n in fns}  # noqa: E731
     assert _run(GemmTuner(None, mode="auto", timer=near), rows=16).plan == {16: "linear"}
