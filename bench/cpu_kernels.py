@@ -19,7 +19,8 @@
 * ``prefill``: cold time to first token of a ``--prefill-tokens`` (2,048) prompt at each
   prefill chunk size of ``--prefill-chunks`` (engines taking turns, ``--engine-rounds``), the
   GEMM each chunk runs, ``F.linear`` vs oneDNN at 512 and 2,048 rows (the tuner measures
-  prefill sizes at 512 rows), and a profile's GEMM / attention / rest split of one prefill.
+  prefill sizes once, at ``autotune.prefill_tune_rows``), and a profile's GEMM / attention
+  / rest split of one prefill.
 
 Prints one JSON object on stdout.
 
@@ -292,8 +293,9 @@ def bench_prefill(args) -> dict:
     """Cold time to first token of a ``--prefill-tokens`` prompt at each prefill chunk size
     (``max_num_batched_tokens``) of ``--prefill-chunks``, the engines taking turns for
     ``--engine-rounds`` rounds (median kept); the GEMM each chunk's bucket runs (``auto``
-    measures prefill sizes once, at 512 rows) against ``F.linear`` / oneDNN timed at 512 and
-    at 2,048 rows; the profile's split of one cold prefill at the largest chunk."""
+    measures prefill sizes once, at ``autotune.prefill_tune_rows``) against ``F.linear`` /
+    oneDNN timed at 512 and at 2,048 rows; the profile's split of one cold prefill at the
+    largest chunk."""
     from kvmesh.kernels import autotune
     from kvmesh.worker import LLM, SamplingParams
 
@@ -325,10 +327,15 @@ def bench_prefill(args) -> dict:
 
     def choices(llm, c):
         layer = llm.engine.model.model.layers[0]
-        b = autotune.PREFILL_TUNE_ROWS if c > autotune.MAX_TUNED_ROWS else autotune.bucket(c)
         lins = {"qkv": layer.self_attn.qkv, "o": layer.self_attn.o}
         lins.update(gate_up=layer.mlp.gate_up, down=layer.mlp.down)
-        return {name: lin.plan.get(b) for name, lin in lins.items()}
+
+        def b(lin):
+            if c > autotune.MAX_TUNED_ROWS:
+                return autotune.prefill_tune_rows(*lin.weight.shape)
+            return autotune.bucket(c)
+
+        return {name: lin.plan.get(b(lin)) for name, lin in lins.items()}
 
     res = {
         f"chunk {c}": {
@@ -340,7 +347,7 @@ def bench_prefill(args) -> dict:
         }
         for c in chunks
     }
-    # is the 512-row measurement's winner also the winner at 2,048 rows?
+    # is the winner at 512 rows also the winner at 2,048 (the tuner measures 2,048 for these)?
     from kvmesh.kernels.cpu_linear import PackedLinear
 
     rows = {}

@@ -16,7 +16,8 @@ more than ``MAX_TUNED_ROWS`` (256) rows run ``F.linear`` untuned (no candidate t
 bit-equal and faster, and timing MKL packed on a large weight at 2048 rows took most of a
 minute); in ``auto`` mode they race ``F.linear`` against oneDNN only (``PREFILL_CANDIDATES``:
 MKL packed multiplies 32 rows at a time and is not made for prefill sizes), which on the
-2-core EPYC was 1.0-1.6x faster than ``F.linear`` at prefill shapes (loaded machine). The
+2-core EPYC was 1.0-1.6x faster than ``F.linear`` at prefill shapes (loaded machine), timed
+once at ``PREFILL_TUNE_ROWS`` (2,048) for every bucket above 256. The
 engine chooses every bucket it will run when it starts (``cpu_linear.warm_up``), so no
 request waits on a measurement or sees a GEMM change mid-way; a bucket outside what it
 announced is chosen the first time a product of that size runs. A measurement times every
@@ -82,9 +83,16 @@ ROUNDS = 7
 TIME_BUDGET_S = 0.25  # a measurement stops after 3 rounds once its rounds took this long
 MAX_TUNED_ROWS = 256  # larger products run F.linear untuned in exact mode (module doc)
 PREFILL_CANDIDATES = ("linear", "onednn")  # auto above MAX_TUNED_ROWS: MKL packed is for small M
-# auto: one measurement at this many rows stands for every bucket above MAX_TUNED_ROWS. Timing
-# the 1024- and 2048-row buckets too stalled the first long prompt for ~9.5 s (SmolLM2, 2 cores)
-PREFILL_TUNE_ROWS = 512
+# auto: one measurement at this many rows stands for every bucket above MAX_TUNED_ROWS (timing
+# each of 512, 1024 and 2048 stalled the first long prompt for ~9.5 s before the engine tuned at
+# start). 2,048, the default step budget, not 512: on the 2-core EPYC, oneDNN's lead over
+# F.linear for o and down was 6% at 512 rows (under the margin: F.linear kept) and 14-22% at
+# 2,048, the rows a full prefill step and a 2,048-token prompt run (bench/README.md). Fewer
+# (down to 512) for weights so large that a 2,048-row product would make the start-up
+# measurement slow: at most PREFILL_TUNE_MACS multiply-adds a call (``prefill_tune_rows``)
+PREFILL_TUNE_ROWS = 2048
+PREFILL_TUNE_MIN_ROWS = 512
+PREFILL_TUNE_MACS = 4e9  # SmolLM2's largest, gate_up at 2,048 rows: 3.6e9
 # auto: a candidate replaces F.linear only when at least this much faster (median time ratio);
 # choices made from timing noise would differ host to host for no gain
 AUTO_MARGIN = 0.9
@@ -96,6 +104,16 @@ ISA_ENV = (
     "DNNL_MAX_CPU_ISA",
     "ONEDNN_MAX_CPU_ISA",
 )
+
+
+def prefill_tune_rows(n: int, k: int) -> int:
+    """The rows at which ``auto`` measures an (N=n, K=k) weight's prefill-sized products, for
+    every bucket above ``MAX_TUNED_ROWS``: ``PREFILL_TUNE_ROWS`` (2,048), halved while a product
+    would exceed ``PREFILL_TUNE_MACS`` multiply-adds, never below ``PREFILL_TUNE_MIN_ROWS``."""
+    rows = PREFILL_TUNE_ROWS
+    while rows > PREFILL_TUNE_MIN_ROWS and rows * n * k > PREFILL_TUNE_MACS:
+        rows //= 2
+    return rows
 
 
 def bucket(rows: int) -> int:

@@ -141,7 +141,8 @@ class PackedLinear:
         b = autotune.bucket(rows)
         mode = self.tuner.mode
         if b > autotune.MAX_TUNED_ROWS and mode == "auto":
-            b = autotune.PREFILL_TUNE_ROWS  # one measurement for every prefill-sized bucket
+            # one measurement for every prefill-sized bucket
+            b = autotune.prefill_tune_rows(*self.weight.shape)
         plan = self.plan
         got = plan.get(b)
         if got is None:

@@ -141,6 +141,7 @@ def test_exact_mode_rejects_onednn_by_the_real_check():
 
 
 def test_products_above_256_rows_exact_runs_f_linear_auto_races_linear_and_onednn():
+    P = autotune.PREFILL_TUNE_ROWS
     timer = FakeTimer("onednn")
     tuner = GemmTuner(None, mode="exact", timer=timer)
     lin = _run(tuner, rows=257)
@@ -150,12 +151,33 @@ def test_products_above_256_rows_exact_runs_f_linear_auto_races_linear_and_onedn
     seen = []
     timer2 = lambda fns, rounds: seen.append(set(fns)) or {n: 1.0 for n in fns}  # noqa: E731
     auto = GemmTuner(None, mode="auto", timer=timer2)
-    assert _run(auto, rows=2048).plan == {512: "linear"} and auto.measured == 1
+    assert _run(auto, rows=2048).plan == {P: "linear"} and auto.measured == 1
     assert seen == [set(autotune.PREFILL_CANDIDATES)]
-    # one measurement (at 512 rows) stands for every prefill-sized bucket
+    # one measurement (at PREFILL_TUNE_ROWS) stands for every prefill-sized bucket
     lin = _run(GemmTuner(None, mode="auto", timer=timer), rows=700)
-    assert lin.plan == {512: "onednn"} and lin(torch.randn(1500, lin.weight.shape[1])) is not None
-    assert lin.plan == {512: "onednn"}
+    assert lin.plan == {P: "onednn"} and lin(torch.randn(1500, lin.weight.shape[1])) is not None
+    assert lin.plan == {P: "onednn"}
+
+
+def test_prefill_measurement_rows_shrink_for_huge_weights_only(monkeypatch):
+    """2,048 rows for every SmolLM2-sized weight; a weight whose 2,048-row product would pass
+    PREFILL_TUNE_MACS is measured at fewer rows (never under 512), and a layer's plan and the
+    tuning input it times follow."""
+    rows = autotune.prefill_tune_rows
+    assert rows(960, 576) == rows(3072, 576) == rows(576, 1536) == 2048  # SmolLM2 projections
+    assert rows(49152, 576) == 512  # its LM head (prefill-sized only when scoring)
+    assert rows(14336 * 2, 4096) == rows(4096, 4096) == 512  # an 8B model's: the floor
+    assert rows(1024, 1024 * 3) == 1024  # 2,048 x 3.1e6 = 6.4e9 > 4e9 >= 1,024 x 3.1e6
+    seen = []
+
+    def timer(fns, rounds):
+        seen.append({n: f().shape[0] for n, f in fns.items()})
+        return {n: 1.0 for n in fns}
+
+    monkeypatch.setattr(autotune, "PREFILL_TUNE_MACS", 48 * 32 * 1024)  # a 48 x 32 weight: 1,024
+    lin = PackedLinear(torch.randn(48, 32), tuner=GemmTuner(None, mode="auto", timer=timer))
+    lin(torch.randn(700, 32))
+    assert lin.plan == {1024: "linear"} and seen == [{"linear": 1024, "onednn": 1024}]
 
 
 def test_auto_keeps_f_linear_unless_a_candidate_is_clearly_faster():
@@ -191,8 +213,9 @@ def test_engine_sets_its_layers_tuner_by_kv_format(smol_src, monkeypatch):
         assert len(tuners) == 1 and len(model._packed()) == 4 * len(model.model.layers) + 1
         modes[fmt] = model.head.tuner.mode
         # chosen at start (warm-up): the head up to max_num_seqs (128) rows, the projections
-        # up to the step budget (2,048: one 512-row measurement in auto, F.linear in exact)
-        top = 512 if fmt == "auto" else 2048
+        # up to the step budget (2,048: one measurement at PREFILL_TUNE_ROWS in auto, F.linear
+        # in exact, bucket 2,048)
+        top = autotune.PREFILL_TUNE_ROWS if fmt == "auto" else 2048
         assert max(model.head.plan) == 128 and all(max(x.plan) == top for x in model._packed()[1:])
         del llm
     assert modes == {"auto": "auto", "int8": "exact"}
@@ -291,7 +314,7 @@ def test_warm_up_measures_each_shape_once_and_prepacks_what_it_chose(tmp_path, c
     head = PackedLinear(torch.randn(80, 32), tuner=tuner)
     with caplog.at_level(logging.INFO, logger="kvmesh.kernels.autotune"):
         got = warm_up([(lin, 600) for lin in same] + [(head, 4)])
-    # 48-wide: buckets 1..256 and one 512-row measurement standing for 512..2048; head 1, 2, 4
+    # 48-wide: buckets 1..256 and one measurement standing for 512..2048; head 1, 2, 4
     assert timer.calls == tuner.measured == 10 + 3 == got["measured"]
     assert all(lin.plan == same[0].plan for lin in same) and len(same[0].plan) == 10
     assert max(same[0].plan) == autotune.PREFILL_TUNE_ROWS and sorted(head.plan) == [1, 2, 4]

@@ -134,6 +134,27 @@ def test_a_row_that_cannot_be_sampled_fails_only_its_request():
     assert "non-finite" in errors[2]  # -inf everywhere is caught before the draw
 
 
+def test_any_single_non_finite_logit_fails_its_row_and_greedy_takes_the_first_maximum():
+    """The sampler's finiteness check (a row's max and min) against torch.isfinite: one
+    +inf, -inf or NaN at the row's start, middle or end fails that row alone; a greedy row
+    with tied maxima takes the first, as argmax does."""
+    n_rows = 10
+    logits = make_logits(n_rows, seed=9)
+    bad = [(1, 0, float("inf")), (2, V // 2, float("-inf")), (3, V - 1, float("nan"))]
+    bad += [(4, 0, float("nan")), (5, V - 1, float("inf")), (6, 3, float("-inf"))]
+    for row, col, value in bad:
+        logits[row, col] = value
+    logits[7, 5] = logits[7, 11] = float(logits[7].max()) + 1  # tie: the first wins
+    reqs = [make_req(f"r{i}", temperature=0.0) for i in range(n_rows)]
+    tokens, _, errors = sample(logits, reqs)
+    ok = torch.isfinite(logits).all(-1).tolist()
+    assert [e is None for e in errors] == ok == [True] + [False] * 6 + [True] * 3
+    assert [t for t, good in zip(tokens, ok) if good] == [
+        int(logits[i].argmax()) for i in range(n_rows) if ok[i]
+    ]
+    assert tokens[7] == 5 and tokens[1:7] == [-1] * 6
+
+
 def test_a_failed_draw_is_reported_not_raised(monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("probability tensor contains either inf, nan or element < 0")
