@@ -108,37 +108,65 @@ def continuation_nll(llm: LLM, ctx: list[int], cont: list[int], budget, policy, 
 
 
 def bench_ppl(llm: LLM, ids: list[int], args) -> dict:
+    """Perplexity per window (``--ppl-windows`` disjoint spans of context + continuation,
+    from ``--offset``): each row has every window's perplexity and ratio to the full cache
+    on the same window, their mean and spread, and the pooled perplexity (exp of the mean
+    NLL over all windows' tokens)."""
     C, N = args.context, args.continuation
     starts = range(args.offset, len(ids) - C - N + 1, C + N)
     windows = [ids[i : i + C + N] for i in starts][: args.windows]
+    assert windows, f"text too short for one window of {C} + {N} tokens from {args.offset}"
     rows = {}
 
-    def ppl(budget, policy) -> float:
+    def ppl(budget, policy, label) -> list[float]:
         t0 = time.monotonic()
-        nll = sum(
-            continuation_nll(llm, w[:C], w[C:], budget, policy, args.ppl_mode) for w in windows
-        )
-        val = math.exp(nll / len(windows))
-        log(f"ppl {policy or 'full'} budget={budget}: {val:.3f} ({time.monotonic() - t0:.0f}s)")
-        return val
+        nlls = []
+        for w in windows:
+            nlls.append(continuation_nll(llm, w[:C], w[C:], budget, policy, args.ppl_mode))
+            log(
+                f"ppl {label} window {len(nlls)}/{len(windows)}: {math.exp(nlls[-1]):.3f} "
+                f"({time.monotonic() - t0:.0f}s, load {os.getloadavg()[0]:.1f})"
+            )
+        return nlls
 
-    full = ppl(None, None)
+    full = ppl(None, None, "full")
+    full_w = [math.exp(x) for x in full]
+    full_pooled = math.exp(sum(full) / len(full))
+    variants = args.snapkv or [None]
     for frac in args.fractions:
         budget = max(8, int(C * frac))
         for policy in args.policies:
-            p = ppl(budget, policy)
-            rows[f"{policy}@{frac:g}"] = {
-                "budget": budget,
-                "ppl": round(p, 4),
-                "vs_full": round(p / full - 1, 4),
-            }
+            for spec in variants if policy == "snapkv" else [None]:
+                label = f"{policy}@{frac:g}" if spec is None else f"snapkv[{spec}]@{frac:g}"
+                if spec is not None:
+                    use_snapkv_variant(spec)
+                nlls = ppl(budget, policy, label)
+                per = [math.exp(x) for x in nlls]
+                ratios = [p / f - 1 for p, f in zip(per, full_w)]
+                mean = sum(ratios) / len(ratios)
+                sd = (sum((r - mean) ** 2 for r in ratios) / max(1, len(ratios) - 1)) ** 0.5
+                pooled = math.exp(sum(nlls) / len(nlls))
+                rows[label] = {
+                    "budget": budget,
+                    "ppl": round(pooled, 4),  # pooled over the windows' tokens
+                    "vs_full": round(pooled / full_pooled - 1, 4),
+                    "per_window_ppl": [round(x, 4) for x in per],
+                    "per_window_vs_full": [round(x, 4) for x in ratios],
+                    "vs_full_mean": round(mean, 4),
+                    "vs_full_sd": round(sd, 4),
+                    "vs_full_min": round(min(ratios), 4),
+                    "vs_full_max": round(max(ratios), 4),
+                }
+                log(f"ppl {label}: {rows[label]}")
     return {
         "context": C,
         "continuation": N,
         "mode": args.ppl_mode,
         "windows": len(windows),
+        "window_starts": list(starts)[: len(windows)],
         "offset": args.offset,
-        "full_ppl": round(full, 4),
+        "full_ppl": round(full_pooled, 4),
+        "full_per_window_ppl": [round(x, 4) for x in full_w],
         "rows": rows,
     }
 
@@ -176,7 +204,7 @@ def bench_needle(llm: LLM, ids: list[int], args) -> dict:
     T = args.needle_context
     cases = needle_cases(llm.tokenizer, ids, args.needles, T)
     shard, shards = (int(x) for x in args.needle_shard.split("/"))
-    cases = cases[shard::shards]
+    cases = cases[shard::shards][args.needle_skip :]
     configs = [("full", None, None)]
     for frac in args.needle_fractions:
         budget = max(8, int(T * frac))
@@ -216,6 +244,7 @@ def bench_needle(llm: LLM, ids: list[int], args) -> dict:
         "full_by_depth": full["by_depth"],
         "rows": rows,
         "shard": args.needle_shard,
+        "skipped": args.needle_skip,
         "hits": {label: [int(x) for x in h] for label, h in hits.items()},
         "depth": [c[2] for c in cases],
     }
@@ -302,20 +331,29 @@ def bench_throughput(args, ids: list[int]) -> dict:
     return out
 
 
+_MAKE_POLICY = None  # the engine's make_policy, before use_snapkv_variant replaces it
+
+
 def use_snapkv_variant(spec: str) -> dict:
-    """Every ``snapkv`` request of this process gets ``SnapKV(budget, **variant)`` (``spec``:
-    ``window=64,kernel=13,pool=max,recent=0.5``). The API sets only the budget and the
-    policy, so this bench-only hook replaces ``make_policy`` where the engine builds
-    policies (the manager) and where the prefix-cache limit asks (``first_observed``), to
-    compare variants through the engine on the tuning text."""
+    """Every ``snapkv`` request of this process from now on gets ``SnapKV(budget,
+    **variant)`` (``spec``: ``window=64,kernel=13,pool=max,recent=0.5,sinks=4``, or
+    ``default``). The API sets only the budget and the policy, so this bench-only hook
+    replaces ``make_policy`` where the engine builds policies (the manager) and where the
+    prefix-cache limit asks (``first_observed``), to compare variants through the engine.
+    Called again, the new variant replaces the last."""
+    global _MAKE_POLICY
     from kvmesh.worker.eviction import manager, policies
 
     kw = {}
     for item in spec.split(","):
+        if item == "default":
+            continue
         k, _, v = item.partition("=")
         kw[k] = v if k == "pool" else float(v) if k == "recent" else int(v)
     policies.SnapKV(64, **kw)  # bad names or values fail here, before anything runs
-    base = policies.make_policy
+    if _MAKE_POLICY is None:
+        _MAKE_POLICY = policies.make_policy
+    base = _MAKE_POLICY
 
     def make(name: str, budget: int):
         return policies.SnapKV(budget, **kw) if name == "snapkv" else base(name, budget)
@@ -350,13 +388,24 @@ def main() -> None:
     ap.add_argument("--parts", default="ppl,needle,throughput,weights_cost")
     ap.add_argument("--context", type=int, default=1536)
     ap.add_argument("--continuation", type=int, default=256)
-    ap.add_argument("--windows", type=int, default=1)
+    ap.add_argument(
+        "--windows",
+        "--ppl-windows",
+        type=int,
+        default=1,
+        help="ppl: disjoint windows of context + continuation from --offset (at most)",
+    )
     ap.add_argument(
         "--text", default="gpl", help="gpl (held out, default), shakespeare (tuning) or a path"
     )
     ap.add_argument("--offset", type=int, default=0, help="first token of the ppl windows")
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
-    ap.add_argument("--snapkv", help="a SnapKV variant for this run: window=..,kernel=..,...")
+    ap.add_argument(
+        "--snapkv",
+        nargs="+",
+        help="SnapKV variants (window=..,kernel=..,pool=..,recent=..,sinks=..): one is used "
+        "for the whole run; with several, the ppl part has a snapkv row for each",
+    )
     ap.add_argument("--ppl-mode", choices=("context", "whole"), default="context")
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.125, 0.25, 0.5])
     ap.add_argument("--needles", type=int, default=50)
@@ -365,6 +414,12 @@ def main() -> None:
         "--needle-shard",
         default="0/1",
         help="i/n: run needles i, i+n, ... only (to split a run over processes)",
+    )
+    ap.add_argument(
+        "--needle-skip",
+        type=int,
+        default=0,
+        help="skip the shard's first K needles (to go on with a run that was stopped)",
     )
     ap.add_argument("--needle-fractions", type=float, nargs="+", default=[0.10, 0.25])
     ap.add_argument("--tput-requests", type=int, default=32)
@@ -381,6 +436,8 @@ def main() -> None:
     ap.add_argument("--wc-new", type=int, default=64)
     args = ap.parse_args()
     parts = set(args.parts.split(","))
+    if args.snapkv and len(args.snapkv) > 1 and parts != {"ppl"}:
+        ap.error("several --snapkv variants: only with --parts ppl (one row each)")
     t0 = time.monotonic()
     text = Path(TEXTS.get(args.text, args.text))
     result = {
@@ -390,7 +447,7 @@ def main() -> None:
         "text": str(text),
         "parts": sorted(parts),
         "policies": args.policies,
-        "snapkv_variant": use_snapkv_variant(args.snapkv) if args.snapkv else "default",
+        "snapkv_variants": [use_snapkv_variant(v) for v in args.snapkv or ["default"]],
     }
     llm = LLM(
         "smollm2-135m-instruct",

@@ -74,17 +74,25 @@ def test_observe_accumulates_the_reference_attention(seed):
 
 
 @pytest.mark.parametrize(
-    "seed,kernel,pool,recent",
-    [(0, 5, "avg", 0), (1, 5, "avg", 0), (2, 7, "avg", 0), (3, 7, "max", 0), (4, 13, "max", 0.5)],
+    "seed,kernel,pool,recent,sinks",
+    [
+        (0, 5, "avg", 0, 0),
+        (1, 5, "avg", 0, 0),
+        (2, 7, "avg", 0, 0),
+        (3, 7, "max", 0, 0),
+        (4, 13, "max", 0.5, 0),
+        (5, 13, "max", 0, 4),
+        (6, 5, "avg", 0.5, 3),
+    ],
 )
-def test_snapkv_keeps_the_references_set(seed, kernel, pool, recent):
+def test_snapkv_keeps_the_references_set(seed, kernel, pool, recent, sinks):
     g = torch.Generator().manual_seed(seed)
     N, window, budget = 40, 6, 17
     ks = [torch.randn(N, HKV, D, generator=g) for _ in range(L)]
     qs = [torch.randn(window, HKV * G, D, generator=g) for _ in range(L)]
     scores = torch.zeros(L, HKV, N)
     observe_all(scores, qs, ks, N - window)
-    policy = SnapKV(budget, window=window, kernel=kernel, pool=pool, recent=recent)
+    policy = SnapKV(budget, window=window, kernel=kernel, pool=pool, recent=recent, sinks=sinks)
     tail = max(window, int(budget * recent))  # kept as the most recent, not voted on
     keep = policy.select(scores, after_prefill=True)
     assert keep.shape == (L, HKV, budget)
@@ -93,9 +101,16 @@ def test_snapkv_keeps_the_references_set(seed, kernel, pool, recent):
         for h in range(HKV):
             pool_ref = ref_avg_pool if pool == "avg" else ref_max_pool
             pooled = pool_ref(votes[h, : N - tail].tolist(), kernel)
-            top = sorted(range(N - tail), key=lambda i: (-pooled[i], i))[: budget - tail]
-            ref = sorted(top + list(range(N - tail, N)))
+            # the sinks kept first, the rest by pooled vote (pooled over the sinks too)
+            voted = range(sinks, N - tail)
+            top = sorted(voted, key=lambda i: (-pooled[i], i))[: budget - tail - sinks]
+            ref = sorted(list(range(sinks)) + top + list(range(N - tail, N)))
             assert keep[layer, h].tolist() == ref, (layer, h)
+    if sinks:  # in decode the sinks outrank every other kept slot: they stay
+        carried = policy.kept_scores(scores, keep, after_prefill=True)
+        again = SnapKV(budget - 5, window=window, kernel=kernel, pool=pool, recent=recent)
+        kept2 = keep.gather(-1, again.select(carried, after_prefill=False))
+        assert (kept2[..., :sinks] == torch.arange(sinks)).all()
 
 
 @pytest.mark.parametrize("seed", range(4))

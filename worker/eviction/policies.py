@@ -127,7 +127,9 @@ class SnapKV(EvictionPolicy):
     SmolLM2 (docs/eviction.md): a voted token keeps its neighbours, so a fact that spans
     several tokens (a number, digit by digit) is kept whole. ``recent``: the share of the
     budget kept as the most recent prompt tokens (at least the window; 0: just the window,
-    as in the paper); only the older slots are chosen by vote."""
+    as in the paper); only the older slots are chosen by vote. ``sinks``: the first
+    ``sinks`` prompt slots (StreamingLLM's attention sinks) are always kept, in decode too,
+    whatever their vote (0: none protected, as in the paper)."""
 
     name = "snapkv"
 
@@ -138,25 +140,35 @@ class SnapKV(EvictionPolicy):
         kernel: int = 13,
         pool: str = "max",
         recent: float = 0.0,
+        sinks: int = 0,
     ):
         super().__init__(budget)
         if pool not in SNAPKV_POOLS:
             raise ValueError(f"snapkv pool must be one of {SNAPKV_POOLS}, got {pool!r}")
         if not 0.0 <= recent <= 1.0:
             raise ValueError(f"snapkv recent must be a share of the budget in [0, 1], got {recent}")
+        if sinks < 0:
+            raise ValueError(f"snapkv sinks must be >= 0, got {sinks}")
         self.window = min(window, budget)
         self.kernel = kernel
         self.pool = pool
         self.tail = max(self.window, min(budget, int(budget * recent)))  # kept, not voted on
+        self.sinks = min(sinks, budget - self.tail)  # kept first, not voted on
 
     def observe_rows(self, positions, num_prompt_tokens):
         lo = max(positions.start, num_prompt_tokens - self.window)
         hi = min(positions.stop, num_prompt_tokens)
         return range(lo, hi) if lo < hi else None
 
+    def _votes(self, scores):
+        votes = snapkv_votes(scores, self.tail, self.kernel, self.pool)
+        if self.sinks:  # the sinks outrank every vote (and keep that rank in decode)
+            votes[..., : self.sinks] = float("inf")
+        return votes
+
     def select(self, scores, after_prefill):
         if after_prefill:
-            votes = snapkv_votes(scores, self.tail, self.kernel, self.pool)
+            votes = self._votes(scores)
             # the tail's slots (the window and any recent share): never chosen from, kept
             pad = scores.new_full((*votes.shape[:-1], scores.shape[-1] - votes.shape[-1]), 0.0)
             return top_and_recent(torch.cat([votes, pad], -1), self.budget, self.tail)
@@ -165,10 +177,14 @@ class SnapKV(EvictionPolicy):
     def kept_scores(self, scores, keep, after_prefill):
         if not after_prefill:
             return scores.gather(-1, keep)
-        votes = snapkv_votes(scores, self.tail, self.kernel, self.pool)
+        votes = self._votes(scores)
         n_pre = votes.shape[-1]
-        # the tail's own slots rank with the best votes in decode
-        top = votes.amax(-1, keepdim=True) if n_pre else scores.new_zeros((*votes.shape[:-1], 1))
+        # the tail's own slots rank with the best votes in decode (the sinks above them)
+        best = votes[..., self.sinks :]
+        if best.shape[-1]:
+            top = best.amax(-1, keepdim=True)
+        else:
+            top = scores.new_zeros((*votes.shape[:-1], 1))
         full = torch.cat([votes, top.expand(*votes.shape[:-1], scores.shape[-1] - n_pre)], -1)
         return full.gather(-1, keep)
 
