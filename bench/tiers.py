@@ -169,7 +169,10 @@ def bench_conversations(args, text: str) -> dict:
         kv_cache_dtype=args.kv_cache_dtype,
     )
     results = {}
-    for name, extra in (("tiers", {"host_cache_memory": args.host_memory}), ("device_only", {})):
+    modes = [("tiers", {"host_cache_memory": args.host_memory}), ("device_only", {})]
+    if args.tiers_only:  # e.g. int4 against fp32 pages: the tiers runs alone
+        modes = modes[:1]
+    for name, extra in modes:
         log(f"multi-turn, {name}")
         llm = LLM(MODEL, **common, **extra)
         results[name] = run_conversations(llm, args, text)
@@ -177,6 +180,9 @@ def bench_conversations(args, text: str) -> dict:
             results[name]["store"] = llm.engine.store_metrics()
         llm.close()
         del llm
+    if args.tiers_only:
+        results["tiers"].pop("_outputs")
+        return {"kv_cache_dtype": args.kv_cache_dtype, "tiers": results["tiers"]}
     same = results["tiers"].pop("_outputs") == results["device_only"].pop("_outputs")
     on, off = results["tiers"], results["device_only"]
     return {
@@ -220,6 +226,11 @@ def main() -> None:
         "--kv-cache-dtype",
         default="auto",
         help="the multi-turn workload's KV cache format (e.g. int4; compare with a run of auto)",
+    )
+    ap.add_argument(
+        "--tiers-only",
+        action="store_true",
+        help="the multi-turn workload with tiers only (no device-only run to compare with)",
     )
     ap.add_argument("--redis-url", default=None)
     ap.add_argument(

@@ -45,14 +45,17 @@ takes the first that passes (``F.linear`` when none does). ``PackedLinear`` chec
 count of a bucket up to 64 rows and, above, its smallest, middle and largest count (GEMM
 libraries pick kernels by row count); the check runs once, when measured, so results are
 what they were before autotuning. ``auto`` takes the fastest, oneDNN included:
-faster on the machines measured, but its last-bit differences flip int8/int4 codes of the
-quantized KV cache, so greedy tokens no longer equal the fake-quantized transformers
-reference of tests/integration/test_quantized_engine.py (measured: int8 test fails under
-``auto``, passes under ``exact``/``legacy``). ``KVMESH_GEMM`` sets the mode: ``exact``,
-``auto``, ``legacy`` (the fixed rule before autotuning: MKL packed for 9-64 rows, else
-``F.linear``), or one candidate's name. Unset, the engine runs ``auto`` over float KV caches
-(rounding-level differences there, as with the C elementwise kernels: the fp32 transformers
-parity tests match token for token) and ``exact`` over quantized ones (``engine_mode``).
+faster on the machines measured. Its last-bit differences can flip an int8/int4 code of a
+quantized KV cache, so greedy tokens need not equal, bit for bit, the fake-quantized
+transformers reference of tests/integration/test_quantized_engine.py (measured: the int8
+test fails under ``auto``, passes under ``exact``/``legacy``); those oracle tests pin
+``KVMESH_GEMM=exact``. ``KVMESH_GEMM`` sets the mode: ``exact``, ``auto``, ``legacy`` (the
+fixed rule before autotuning: MKL packed for 9-64 rows, else ``F.linear``), or one
+candidate's name. Unset, the engine runs ``auto`` over every KV cache format
+(``engine_mode``): rounding-level differences, as with the C elementwise kernels; the fp32
+transformers parity tests match token for token under it, and the quantized formats'
+perplexity guards hold. ``exact`` over a quantized cache also keeps the elementwise ops in
+torch (``elementwise_in_c``), so the engine reproduces the torch reference bit for bit.
 """
 
 from __future__ import annotations
@@ -388,14 +391,24 @@ _default_lock = threading.Lock()
 
 
 def engine_mode(quantized_kv: bool) -> str:
-    """The mode an engine's linear layers run: ``$KVMESH_GEMM`` when set; else ``exact`` for
-    a quantized KV cache (its outputs are held to equal the fake-quantized transformers
-    reference token for token, and oneDNN's last-bit differences flip int8/int4 codes) and
-    ``auto`` for float caches (the fastest measured; the fp32 transformers parity tests pass
-    under it: rounding-level differences, as with the C elementwise kernels)."""
+    """The mode an engine's linear layers run: ``$KVMESH_GEMM`` when set, else ``auto`` (the
+    fastest measured) for every KV cache format. Over quantized caches ``auto``'s last-bit
+    differences can move an int8/int4 code, so tests that hold the engine to a
+    fake-quantized torch reference bit for bit pin ``KVMESH_GEMM=exact`` (which also keeps
+    the elementwise ops in torch: ``elementwise_in_c``). ``quantized_kv`` is kept for the
+    callers: the choice no longer depends on it."""
     from kvmesh.worker import envs
 
-    return envs.gemm_mode() or ("exact" if quantized_kv else "auto")
+    del quantized_kv
+    return envs.gemm_mode() or "auto"
+
+
+def elementwise_in_c(quantized_kv: bool, mode: str) -> bool:
+    """Whether an engine serves RMSNorm, SiLU and RoPE with the C kernels (``cpu_ops.c``):
+    yes, except over a quantized cache under ``exact``, where they stay in torch (the C
+    ones round differently in the last bit, which int4 can turn into another code; ``exact``
+    promises the torch reference's bits)."""
+    return not (quantized_kv and mode == "exact")
 
 
 def default_tuner(mode: str | None = None) -> GemmTuner:

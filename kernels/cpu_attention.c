@@ -722,6 +722,44 @@ static inline void halves_to_floats(const _Float16 *src, int64_t n, float *dst) 
     for (; i < n; i++) dst[i] = (float)src[i];
 }
 
+/* The values of one KV head's rows of a page (nt tokens, row stride Hkv * D / 2 bytes, the
+ * page's V scales and zeros as floats at sv / zv, stride Hkv * Gn) into the split
+ * accumulators of its G query heads (acc, weights s, stride bs): head-major, so the G * D
+ * accumulators stay in registers over the page (loaded and stored once, not once per token),
+ * and each group's zero term is summed per page in registers. G * 2 * C2 <= 16 vectors. */
+static inline __attribute__((always_inline)) void int4_v_regs(
+    const uint8_t *vd, const float *sv, const float *zv, const float *s, float *acc,
+    int64_t nt, const int64_t G, int64_t Hkv, const int64_t D, int64_t bs) {
+    const int64_t C2 = D / (2 * VW), Gn = D / 32, D2 = D / 2;
+    VF a[4 * 2 * C2MAX]; /* sized for any G <= 4 (the caller keeps G * 2 * C2 <= 16) */
+    float zs[4 * 8];     /* G * Gn, Gn <= 8 */
+    for (int64_t g = 0; g < G; g++) {
+        for (int64_t c = 0; c < 2 * C2; c++) a[g * 2 * C2 + c] = VLOAD(acc + g * D + VW * c);
+        for (int64_t k = 0; k < Gn; k++) zs[g * Gn + k] = 0.0f;
+    }
+    for (int64_t j = 0; j < nt; j++) {
+        VF lo[C2MAX], hi[C2MAX];
+        const uint8_t *vr = vd + j * Hkv * D2;
+        const float *svj = sv + j * Hkv * Gn, *zvj = zv + j * Hkv * Gn;
+        for (int64_t c = 0; c < C2; c++) int4_split(vr + VW * c, &lo[c], &hi[c]);
+        for (int64_t g = 0; g < G; g++) {
+            const float p = s[g * bs + j];
+            for (int64_t c = 0; c < C2; c++) {
+                const VF w = VSET1(p * svj[(2 * VW * c) / 32]);
+                a[g * 2 * C2 + 2 * c] = VFMA(w, lo[c], a[g * 2 * C2 + 2 * c]);
+                a[g * 2 * C2 + 2 * c + 1] = VFMA(w, hi[c], a[g * 2 * C2 + 2 * c + 1]);
+            }
+            for (int64_t k = 0; k < Gn; k++) zs[g * Gn + k] += p * zvj[k];
+        }
+    }
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t c = 0; c < C2; c++) {
+            const VF z = VSET1(zs[g * Gn + (2 * VW * c) / 32]);
+            VSTORE(acc + g * D + 2 * VW * c, VADD(a[g * 2 * C2 + 2 * c], z));
+            VSTORE(acc + g * D + 2 * VW * c + VW, VADD(a[g * 2 * C2 + 2 * c + 1], z));
+        }
+}
+
 /* Floats of the fast step's scratch. */
 #define INT4_FAST_FLOATS(Hq, Hkv, D, bs) \
     (2 * (Hq) * (D) + (Hq) + 2 * (bs) * (Hkv) * ((D) / 32) + (Hq) * ((D) / 32) + 4 * (Hq) * VW + 2 * VW)
@@ -806,6 +844,22 @@ static inline __attribute__((always_inline)) void page_int4_fast(
     /* values: weight * group scale on the codes, weight * group zero summed per group */
     halves_to_floats(vs, nt * Hkv * Gn, vsf);
     halves_to_floats(vz, nt * Hkv * Gn, vzf);
+    if (G * 2 * C2 <= 16 && G <= 4) { /* a KV head's accumulators fit in registers */
+        for (int64_t h = 0; h < Hkv; h++) {
+            const uint8_t *vh = vd + h * D2;
+            const float *sh = s + h * G * bs;
+            float *ah = acc + h * G * D;
+            if (G == 1) /* G a constant: the loops unroll and a[] lives in registers */
+                int4_v_regs(vh, vsf + h * Gn, vzf + h * Gn, sh, ah, nt, 1, Hkv, D, bs);
+            else if (G == 2)
+                int4_v_regs(vh, vsf + h * Gn, vzf + h * Gn, sh, ah, nt, 2, Hkv, D, bs);
+            else if (G == 3)
+                int4_v_regs(vh, vsf + h * Gn, vzf + h * Gn, sh, ah, nt, 3, Hkv, D, bs);
+            else
+                int4_v_regs(vh, vsf + h * Gn, vzf + h * Gn, sh, ah, nt, 4, Hkv, D, bs);
+        }
+        return;
+    }
     for (int64_t i = 0; i < Hq * Gn; i++) zsum[i] = 0.0f;
     for (int64_t j = 0; j < nt; j++) /* token-major: an accumulator's updates 1 row apart */
         for (int64_t h = 0; h < Hkv; h++) {
@@ -967,6 +1021,48 @@ int kvmesh_decode_attention_quant(int fmt, const float *q, const uint8_t *k, con
     }
     merge_all(parts, S, context_lens, window, out, B, Hq, D, failed);
     return failed;
+}
+
+/* int4 pages dequantized to float, kernels.quant.dequantize_pages' twin bit for bit (a code
+ * times an fp16 scale is exact in float, so the one rounding is the add, as in torch): pages
+ * (n,) of the pool (component bases and page stride in bytes as the decode kernel) -> ko, vo
+ * (n, bs, H, D) float32 contiguous. The own-page prefill reads a chunk's complete pages so,
+ * straight into its key/value buffers: no gathered copy of the components, no torch passes. */
+int kvmesh_dequantize_int4_pages(const uint8_t *k, const uint8_t *ks, const uint8_t *kz,
+                                 const uint8_t *v, const uint8_t *vs, const uint8_t *vz,
+                                 int64_t stride, const int64_t *pages, int64_t n, int64_t bs,
+                                 int64_t H, int64_t D, float *ko, float *vo, int num_threads) {
+    const int64_t g = D < 32 ? D : 32;
+    if (D % 2 || D % g) return 2;
+    const int64_t D2 = D / 2, Gn = D / g, rows = bs * H;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (n * rows * D >= 32768)
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t off = pages[i] * stride;
+        const _Float16 *ksp = (const _Float16 *)(ks + off), *kzp = (const _Float16 *)(kz + off);
+        const _Float16 *vsp = (const _Float16 *)(vs + off), *vzp = (const _Float16 *)(vz + off);
+        const uint8_t *kd = k + off, *vd = v + off;
+        float *kout = ko + i * rows * D, *vout = vo + i * rows * D;
+        for (int64_t r = 0; r < rows; r++) {
+            const int64_t h = r % H;
+            const uint8_t *kb = kd + r * D2, *vb = vd + r * D2;
+            const _Float16 *sc = ksp + h * D, *zp = kzp + h * D;
+            float *kr = kout + r * D, *vr = vout + r * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) {
+                const float c = (float)((kb[d / 2] >> (4 * (d & 1))) & 15);
+                kr[d] = c * (float)sc[d] + (float)zp[d];
+            }
+            for (int64_t c0 = 0; c0 < Gn; c0++) {
+                const float s1 = (float)vsp[r * Gn + c0], z1 = (float)vzp[r * Gn + c0];
+#pragma omp simd
+                for (int64_t d = c0 * g; d < (c0 + 1) * g; d++) {
+                    const float c = (float)((vb[d / 2] >> (4 * (d & 1))) & 15);
+                    vr[d] = c * s1 + z1;
+                }
+            }
+        }
+    }
+    return 0;
 }
 
 /* The ABI version kernels/cpu_native.py checks, bumped with any signature change. */

@@ -192,3 +192,35 @@ def hadamard_cpu(x: torch.Tensor, block: int, library: CpuLibrary | None = None)
     if rc:
         raise ValueError(f"Hadamard block {block} must be a power of two dividing {D}")
     return out
+
+
+def dequantize_int4_pages_cpu(
+    views: dict[str, torch.Tensor],
+    pages: torch.Tensor,
+    out_k: torch.Tensor,
+    out_v: torch.Tensor,
+    library: CpuLibrary | None = None,
+) -> None:
+    """``kernels.quant.dequantize_pages("int4", {n: t[pages]}, torch.float32)`` in C, bit for
+    bit, written into ``out_k``/``out_v`` (each a contiguous float32 tensor of ``len(pages)
+    * bs * H * D`` elements, e.g. the first rows of a larger buffer) with no gathered copy of
+    the components. ``views``: one layer's int4 pool views (``LayerCache.views``)."""
+    bs, H, D2 = views["k"].shape[1:]
+    D = 2 * D2
+    n = int(pages.numel())
+    stride = views["k"].stride(0) * views["k"].element_size()
+    for name, t in views.items():
+        if t.stride(0) * t.element_size() != stride or not t[0].is_contiguous():
+            raise ValueError(f"view {name!r} is not a dense component of a page-major pool")
+    for name, o in (("out_k", out_k), ("out_v", out_v)):
+        if o.dtype != torch.float32 or not o.is_contiguous() or o.numel() != n * bs * H * D:
+            raise ValueError(f"{name} must be contiguous float32 of {n * bs * H * D} elements")
+    if n and (int(pages.min()) < 0 or int(pages.max()) >= views["k"].shape[0]):
+        raise ValueError(f"page ids must lie in [0, {views['k'].shape[0]})")
+    ids = pages.to(torch.int64).contiguous()
+    rc = (library or default_library()).fn("kvmesh_dequantize_int4_pages")(
+        *(views[c].data_ptr() for c in _QUANT_VIEWS), stride, ids.data_ptr(), n, bs, H, D,
+        out_k.data_ptr(), out_v.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc:
+        raise ValueError(f"int4 pages need an even head_size divisible by its group, got {D}")

@@ -56,6 +56,9 @@ SIGNATURES = {
     "kvmesh_decode_attention_quant": [_N] + [_P] * 13 + [_I] * 7 + [_F, _I, _N],
     # (fmt, k, v, n, bs, H, D, page ids, 6 component bases, page stride in bytes, threads)
     "kvmesh_quantize_pages": [_N, _P, _P] + [_I] * 4 + [_P] * 7 + [_I, _N],
+    # (k, k_scale, k_zero, v, v_scale, v_zero, page stride in bytes, page ids, n, bs, H, D,
+    #  k out, v out, threads)
+    "kvmesh_dequantize_int4_pages": [_P] * 6 + [_I, _P] + [_I] * 4 + [_P, _P, _N],
     # (x, out, rows, D, block, scale, threads)
     "kvmesh_hadamard_f32": [_P, _P, _I, _I, _I, _F, _N],
     "kvmesh_rmsnorm_f32": [_P, _P, _P, _I, _I, _F, _N],

@@ -206,18 +206,20 @@ class LLMEngine:
             self.backend = MLABackend(kernel, block_size=bs, device=self.device)
         else:
             self.backend = get_backend(backend_name, sliding_window=cfg.sliding_window)
-        if backend_name == "cpu" and not self.layout.quantized and not cfg.is_mla:
-            # the C kernels serve the model's elementwise ops too. Not under quantized
-            # caches: their RMSNorm and SiLU round differently from torch's in the last bit,
-            # which int4 can turn into a different code, and quantized outputs are held to
-            # equal the fake-quantized reference token for token
+        from kvmesh.kernels import autotune  # GEMMs by measurement: auto unless KVMESH_GEMM
+
+        mode = autotune.engine_mode(self.layout.quantized)
+        if (
+            backend_name == "cpu"
+            and autotune.elementwise_in_c(self.layout.quantized, mode)
+            and not cfg.is_mla
+        ):
+            # the C kernels serve the model's elementwise ops too (not under `exact` over a
+            # quantized cache: they round differently from torch's in the last bit)
             from kvmesh.worker import cpu_kernels
 
             self.model.cpu_kernels = cpu_kernels.load()
         if self.device.type == "cpu" and hasattr(self.model, "set_gemm_tuner"):
-            from kvmesh.kernels import autotune  # GEMMs by measurement: auto / exact per format
-
-            mode = autotune.engine_mode(self.layout.quantized)
             self.model.set_gemm_tuner(autotune.default_tuner(mode))
             from kvmesh.kernels.cpu_linear import warm_up  # measure now, not in a request
 

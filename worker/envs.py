@@ -44,8 +44,9 @@ def gemm_mode() -> str | None:
     (the fastest measured on this machine among those bit-identical to ``F.linear``, cached
     under KVMESH_CACHE_DIR), ``auto`` (the fastest, oneDNN included, which rounds
     differently), ``legacy``, or one of ``linear``, ``mkl``, ``onednn``. Unset (None): the
-    engine runs ``auto`` over float KV caches and ``exact`` over quantized ones
-    (``autotune.engine_mode``)."""
+    engine runs ``auto`` over every KV cache format (``autotune.engine_mode``); ``exact``
+    over a quantized cache also keeps the elementwise ops in torch (bit-equal to the torch
+    reference)."""
     return _str("KVMESH_GEMM", "").strip().lower() or None
 
 

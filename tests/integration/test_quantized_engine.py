@@ -1,5 +1,9 @@
 """Quantized KV caches end to end: the engine's greedy tokens equal transformers' with the same
-page quantization applied to its K/V, and attention really reads the quantized pages."""
+page quantization applied to its K/V, and attention really reads the quantized pages.
+
+The token-for-token oracle tests pin ``KVMESH_GEMM=exact``: the engine's default ``auto``
+GEMMs (and the C elementwise kernels they bring) round differently in the last bit, which can
+move an int8/int4 code (``kernels.autotune.engine_mode``)."""
 
 from __future__ import annotations
 
@@ -105,6 +109,7 @@ def test_greedy_matches_fake_quantized_transformers(fmt, hf_smol, prompts, monke
     from kvmesh.worker.attention import own_page
 
     monkeypatch.setattr(own_page, "OWN_PAGE_QUERY_BLOCK", 16)
+    monkeypatch.setenv("KVMESH_GEMM", "exact")  # the reference's bits (autotune.engine_mode)
     llm = LLM(
         "smollm2-135m-instruct",
         kv_cache_dtype=fmt,
@@ -117,9 +122,10 @@ def test_greedy_matches_fake_quantized_transformers(fmt, hf_smol, prompts, monke
         assert out.token_ids == _hf_fake_quant_greedy(hf_smol, fmt, p, GREEDY.max_tokens, 40)
 
 
-def test_batched_int8_matches_fake_quantized_transformers(hf_smol, prompts):
+def test_batched_int8_matches_fake_quantized_transformers(hf_smol, prompts, monkeypatch):
     """Several requests prefilled in one step and decoded as one batch. (int8 only: int4's
     rounding turns the last-bit differences of other GEMM shapes into different codes.)"""
+    monkeypatch.setenv("KVMESH_GEMM", "exact")
     llm = LLM("smollm2-135m-instruct", kv_cache_dtype="int8", kv_cache_memory="64MiB")
     for p, out in zip(prompts, llm.generate(prompts, GREEDY)):
         assert out.token_ids == _hf_fake_quant_greedy(hf_smol, "int8", p, GREEDY.max_tokens, 4096)

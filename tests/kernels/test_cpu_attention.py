@@ -166,10 +166,12 @@ def _quant_args(sim, q, scale, window=None):
 
 @pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("fmt", ["int8", "fp8", "int4"])
-@pytest.mark.parametrize("Hq,Hkv,D", [(9, 3, 64), (8, 2, 128), (6, 2, 20)])
+@pytest.mark.parametrize("Hq,Hkv,D", [(9, 3, 64), (8, 2, 128), (4, 2, 64), (6, 2, 20)])
 def test_quantized_pages_match_torch_twin(libraries, build, fmt, Hq, Hkv, D):
     """Quantized pages dequantized in the kernel (the same stored scales and arithmetic as the
-    torch twin), the partial last page from the residual, exactly full pages with no tail."""
+    torch twin), the partial last page from the residual, exactly full pages with no tail.
+    int4's value step keeps a KV head's accumulators in registers where they fit (AVX-512:
+    G = 3 at D = 64, AVX2: G = 2 at D = 64) and runs token-major elsewhere: both covered."""
     sim = _sim(fmt, Hkv, D, [[37, 32, 1, 90], [2, 0, 0, 6]], seed=Hq + D)
     q = torch.randn(4, Hq, D, generator=torch.Generator().manual_seed(Hq * 3 + D))
     for window in (None, 20, 1):
@@ -309,3 +311,33 @@ def test_hadamard_is_bit_equal_to_the_torch_rotation(libraries, build):
     assert half.dtype == torch.float16 and torch.equal(half, hadamard_transform(x.half(), 64))
     with pytest.raises(ValueError, match="power of two"):
         cpu_attention.hadamard_cpu(torch.randn(2, 48), 24, library=lib)
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("H,D", [(3, 64), (2, 128), (2, 20)])
+def test_int4_pages_dequantized_in_c_equal_the_torch_twin_bit_for_bit(libraries, build, H, D):
+    """The own-page prefill's page read (kvmesh_dequantize_int4_pages) against
+    ``dequantize_pages`` on the same pool pages, in any order and repeated: the same bits."""
+    from kvmesh.kernels.cpu_quant import quantize_pages_into
+    from kvmesh.kernels.page_format import PageLayout
+    from kvmesh.kernels.quant import dequantize_pages
+
+    bs, n = 16, 6
+    layout = PageLayout("int4", 2, H, D, bs)
+    views = layout.views(layout.allocate(10), 1)
+    g = torch.Generator().manual_seed(H * D)
+    k = torch.randn(n, bs, H, D, generator=g) * 3 + torch.randn(H, D, generator=g)
+    v = torch.randn(n, bs, H, D, generator=g)
+    lib = libraries[build]
+    quantize_pages_into("int4", k, v, views, torch.tensor([8, 1, 5, 3, 9, 0]), library=lib)
+    ids = torch.tensor([5, 0, 9, 9, 3])  # out of order, one twice
+    want_k, want_v = dequantize_pages("int4", {c: t[ids] for c, t in views.items()})
+    out_k = torch.full((7, bs, H, D), float("nan"))  # larger than the pages: rows after stay
+    out_v = torch.full_like(out_k, float("nan"))
+    cpu_attention.dequantize_int4_pages_cpu(views, ids, out_k[:5], out_v[:5], library=lib)
+    assert torch.equal(out_k[:5], want_k) and torch.equal(out_v[:5], want_v)
+    assert out_k[5:].isnan().all() and out_v[5:].isnan().all()
+    with pytest.raises(ValueError, match="page ids"):
+        cpu_attention.dequantize_int4_pages_cpu(
+            views, torch.tensor([10]), out_k[:1], out_v[:1], library=lib
+        )

@@ -187,38 +187,48 @@ def test_auto_keeps_f_linear_unless_a_candidate_is_clearly_faster():
     assert _run(GemmTuner(None, mode="auto", timer=far), rows=16).plan == {16: "onednn"}
 
 
-def test_engine_mode_is_auto_for_float_caches_exact_for_quantized_unless_set(monkeypatch):
+def test_engine_mode_is_auto_for_every_cache_format_unless_set(monkeypatch):
     monkeypatch.delenv("KVMESH_GEMM", raising=False)
     assert autotune.engine_mode(quantized_kv=False) == "auto"
-    assert autotune.engine_mode(quantized_kv=True) == "exact"
+    assert autotune.engine_mode(quantized_kv=True) == "auto"
     monkeypatch.setenv("KVMESH_GEMM", "Legacy")
     assert autotune.engine_mode(quantized_kv=False) == autotune.engine_mode(True) == "legacy"
     monkeypatch.setenv("KVMESH_GEMM", "fastest")
     with pytest.raises(ValueError, match="unknown GEMM mode 'fastest'"):
         autotune.default_tuner(autotune.engine_mode(False))
+    # the elementwise C kernels: everywhere but under exact over a quantized cache
+    assert autotune.elementwise_in_c(True, "auto") and autotune.elementwise_in_c(False, "exact")
+    assert not autotune.elementwise_in_c(True, "exact")
 
 
-def test_engine_sets_its_layers_tuner_by_kv_format(smol_src, monkeypatch):
-    """An fp32-cache engine's projections race oneDNN (auto), an int8-cache engine's keep
-    bit-equality with F.linear (exact): one process, two engines, two tuners, each tuned at
+def test_engine_sets_its_layers_tuner_by_mode(smol_src, monkeypatch):
+    """Unset, an fp32-cache and an int8-cache engine both race oneDNN (auto), with the C
+    elementwise kernels; ``KVMESH_GEMM=exact`` over int8 keeps bit-equality with F.linear
+    and the elementwise ops in torch: one process, three engines, two tuners, each tuned at
     start; a restart reads every choice from the cache file."""
     from kvmesh.worker import LLM, SamplingParams
 
-    monkeypatch.delenv("KVMESH_GEMM", raising=False)
-    modes = {}
-    for fmt in ("auto", "int8"):
+    modes, in_c = {}, {}
+    for fmt, env in (("auto", None), ("int8", None), ("int8", "exact")):
+        if env is None:
+            monkeypatch.delenv("KVMESH_GEMM", raising=False)
+        else:
+            monkeypatch.setenv("KVMESH_GEMM", env)
         llm = LLM("smollm2-135m-instruct", kv_cache_dtype=fmt, kv_cache_memory="32MiB")
         model = llm.engine.model
         tuners = {id(lin.tuner) for lin in model._packed()}
         assert len(tuners) == 1 and len(model._packed()) == 4 * len(model.model.layers) + 1
-        modes[fmt] = model.head.tuner.mode
+        modes[fmt, env] = model.head.tuner.mode
+        in_c[fmt, env] = model.cpu_kernels is not None
         # chosen at start (warm-up): the head up to max_num_seqs (128) rows, the projections
         # up to the step budget (2,048: one measurement at PREFILL_TUNE_ROWS in auto, F.linear
         # in exact, bucket 2,048)
-        top = autotune.PREFILL_TUNE_ROWS if fmt == "auto" else 2048
+        top = autotune.PREFILL_TUNE_ROWS if modes[fmt, env] == "auto" else 2048
         assert max(model.head.plan) == 128 and all(max(x.plan) == top for x in model._packed()[1:])
         del llm
-    assert modes == {"auto": "auto", "int8": "exact"}
+    assert modes == {("auto", None): "auto", ("int8", None): "auto", ("int8", "exact"): "exact"}
+    assert in_c == {("auto", None): True, ("int8", None): True, ("int8", "exact"): False}
+    monkeypatch.delenv("KVMESH_GEMM", raising=False)
     # a second start with gemm.json written (a fresh process tuner) measures nothing, and
     # neither does a request
     autotune.reset_default_tuners()

@@ -102,12 +102,19 @@ def own_page_attention(
     from kvmesh.kernels.quant import dequantize_pages
 
     pages = span.block_table[: span.context_len // block_size]  # complete after the write
-    comps = {name: t.index_select(0, pages) for name, t in cache.views.items()}
-    kq, vq = dequantize_pages(cache.cache_format, comps, q.dtype)  # (nq, bs, Hkv, D)
-    H, D = kq.shape[2:]
     xk, xv = exact
-    kk = torch.cat([kq.reshape(-1, H, D), xk.to(q.dtype)]).transpose(0, 1)  # (Hkv, L, D)
-    vv = torch.cat([vq.reshape(-1, H, D), xv.to(q.dtype)]).transpose(0, 1)
+    H, D = xk.shape[1:]
+    lq = int(pages.numel()) * block_size
+    kk = q.new_empty((lq + xk.shape[0], H, D))  # the complete pages, then the exact ones
+    vv = torch.empty_like(kk)
+    if not _dequantize_in_c(cache, pages, q, kk[:lq], vv[:lq]):
+        comps = {name: t.index_select(0, pages) for name, t in cache.views.items()}
+        kq, vq = dequantize_pages(cache.cache_format, comps, q.dtype)  # (nq, bs, Hkv, D)
+        kk[:lq] = kq.reshape(-1, H, D)
+        vv[:lq] = vq.reshape(-1, H, D)
+    kk[lq:] = xk
+    vv[lq:] = xv
+    kk, vv = kk.transpose(0, 1), vv.transpose(0, 1)  # (Hkv, L, D)
     qq = q.transpose(0, 1).unsqueeze(0)  # (1, Hq, n, D)
     out = torch.empty_like(qq)
     # in blocks of queries: a masked SDPA may run the math kernel, whose scores are
@@ -123,3 +130,20 @@ def own_page_attention(
             enable_gqa=q.shape[1] != H,
         )
     return out[0].transpose(0, 1)
+
+
+def _dequantize_in_c(cache, pages: torch.Tensor, q: torch.Tensor, kk, vv) -> bool:
+    """int4 pages of a CPU fp32 engine dequantized by the C kernels, bit-equal to
+    ``dequantize_pages``, straight into ``kk``/``vv``; False where they do not apply (other
+    formats or dtypes, the C kernels off or not built): the torch path then runs."""
+    if cache.cache_format != "int4" or q.dtype != torch.float32 or q.device.type != "cpu":
+        return False
+    from kvmesh.kernels import cpu_attention
+    from kvmesh.kernels.cpu_native import CpuKernelError, default_library
+
+    try:
+        lib = default_library()
+    except CpuKernelError:
+        return False
+    cpu_attention.dequantize_int4_pages_cpu(cache.views, pages, kk, vv, library=lib)
+    return True
