@@ -1,12 +1,11 @@
 /* Quantize full KV pages on CPU straight into the page pool: fp8 and int8 (symmetric, one
  * scale per token and head), int4 (keys per channel over the page, values per token in groups
- * of 32, each over its full range). The byte layout and the arithmetic are kernels/quant.py's
+ * of 32 with the clipping search). The byte layout and the arithmetic are kernels/quant.py's
  * (its torch quantizer is the twin): every product, quotient and sum rounds as torch's does
  * (built with -ffp-contract=off), scales round to fp16 before they divide, and rounding is
- * floor(y + 0.5), so the bytes are the same. Only with a clipping search
- * (INT4_V_CLIP_STEPS > 1, off since issue 23) could they differ: C sums each candidate's
- * squared error in order, torch in its own vector order, so where two candidates' errors
- * tie to within rounding the two may keep different ones (both are the same error).
+ * floor(y + 0.5). One difference is allowed and tested: int4 values sum each candidate
+ * clipping's squared error in order, torch in its own vector order, so where two candidates'
+ * errors tie to within rounding the two may keep different ones (both are the same error).
  *
  * Layout: k, v (n, bs, H, D) float32 contiguous, the full pages; page_ids (n,) int64; the
  * component bases (page 0 of the pool) and the page stride in bytes, as the decode kernel.
@@ -88,11 +87,8 @@ static void quant_int4_k(const float *xk, int64_t bs, int64_t H, int64_t D, int6
     }
 }
 
-/* kernels/quant.py's INT4_V_CLIP_STEPS: 1, no clipping search (each group's full range). */
-#define INT4_V_CLIP_STEPS 1
-
 /* int4 values of one (token, head) row: groups of g, the clipping factor with the least
- * squared error, the first on a tie. */
+ * squared error, the first on a tie (kernels/quant.py: INT4_V_CLIP_STEPS = 6). */
 static void quant_int4_v_row(const float *x, int64_t D, uint8_t *q, _Float16 *vs, _Float16 *vz) {
     const int64_t g = D < 32 ? D : 32;
     for (int64_t c = 0; c < D / g; c++) {
@@ -105,7 +101,7 @@ static void quant_int4_v_row(const float *x, int64_t D, uint8_t *q, _Float16 *vs
         const float mid = (mn + mx) * 0.5f, half = (mx - mn) * 0.5f;
         float best = INFINITY;
         _Float16 bs_ = 0, bz = 0;
-        for (int step = 0; step < INT4_V_CLIP_STEPS; step++) {
+        for (int step = 0; step < 6; step++) {
             const float alpha = (float)((20 - step) / 20.0);
             const _Float16 z = (_Float16)(mid - alpha * half);
             const _Float16 s = scale16(((mid + alpha * half) - (float)z) / 15.0f);

