@@ -82,7 +82,9 @@ class DaemonExecutor:
         """Where the executor's thread is now, as a formatted stack (empty when it has not
         started or has ended): what an owner logs when it abandons a stuck call."""
         thread = self._thread
-        frame = None if thread is None else sys._current_frames().get(thread.ident)
+        if thread is None or not thread.is_alive():  # an ended thread's ident may be reused
+            return ""
+        frame = sys._current_frames().get(thread.ident)
         return "".join(traceback.format_stack(frame)) if frame is not None else ""
 
     def move_queued_to(self, other: DaemonExecutor) -> None:

@@ -138,6 +138,7 @@ class PeerTier(Tier):
             "data_plane_bytes": 0,  # object bytes received, per transport (Prometheus)
             "grpc_bytes": 0,
             "data_plane_fallbacks": 0,
+            "fetches_left_behind": 0,  # Fetch reads abandoned past their deadline (_fetch)
         }
 
     @property
@@ -370,7 +371,9 @@ class PeerTier(Tier):
         ``timeout + FETCH_WATCHDOG_GRACE_S`` (then cancels the call) plus one second more
         (then leaves it): grpc's blocking reads wait on events its core delivers, and a read
         that never gets its event (seen under heavy load, minutes past the deadline, even
-        after ``cancel``) must not hold the fetch, and the request waiting on it, with it."""
+        after ``cancel``) must not hold the fetch, and the request waiting on it, with it. A
+        read left behind keeps no page it got (only the partial page it may be assembling),
+        is counted in ``metrics["fetches_left_behind"]`` and logged."""
         got: dict[int, bytes] = {}
         lock = threading.Lock()  # ``got`` and ``state``: the reader may outlive this call
         state: dict = {"error": None, "left": False}
@@ -389,7 +392,7 @@ class PeerTier(Tier):
                         done = asm.add(piece.index, piece)
                         if done is not None and done[0]:
                             with lock:
-                                if state["left"]:
+                                if state["left"]:  # the caller went on without this read
                                     return
                                 got[piece.index] = done[1]
             except (grpc.RpcError, ValueError) as e:
@@ -409,9 +412,23 @@ class PeerTier(Tier):
         if not finished.wait(timeout + FETCH_WATCHDOG_GRACE_S):
             call.cancel()
             if not finished.wait(1.0):
-                with lock:
+                with lock:  # the reader keeps nothing it got: the caller owns those pages
                     state["left"] = True
                     kept = dict(got)
+                    got.clear()
+                with self._lock:
+                    self.metrics["fetches_left_behind"] += 1
+                    n_left = self.metrics["fetches_left_behind"]
+                logger.warning(
+                    "a Fetch of %d pages is still being read %.3gs after it began (deadline "
+                    "%.3gs), even after a cancel: left behind with its thread (%d so far in "
+                    "this process); its %d whole pages are kept, the rest are misses",
+                    len(hashes),
+                    timeout + FETCH_WATCHDOG_GRACE_S + 1.0,
+                    timeout,
+                    n_left,
+                    len(kept),
+                )
                 return kept, TimeoutError(
                     f"Fetch still running {timeout + FETCH_WATCHDOG_GRACE_S + 1.0:.3g}s after "
                     f"it began (deadline {timeout:.3g}s), even after a cancel: left behind"

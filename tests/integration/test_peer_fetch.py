@@ -6,6 +6,7 @@ within one deadline per get."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import zlib
 
@@ -448,5 +449,68 @@ def test_a_fetch_whose_read_ignores_the_cancel_is_left_behind(monkeypatch):
         took = time.monotonic() - t0
         assert got == {} and isinstance(err, TimeoutError) and "left behind" in str(err)
         assert took < 10, f"the deaf call held the fetch {took:.1f}s"  # 60 s without it
+    finally:
+        peer.close()
+
+
+class _HalfFetchCall:
+    """A proven call that sends page 0, then hangs before page 1 until ``release`` is set
+    (cancel does nothing: its status arrived already), then sends page 1."""
+
+    def __init__(self, nonce: str):
+        import threading
+
+        from kvmesh.kvstore.peer.framing import page_chunks
+
+        self.proof = ID.proof(nonce)
+        self.release = threading.Event()
+        self.sent_second = threading.Event()
+        self.chunks = [list(page_chunks([(i, h(i + 1), page(i + 1))])) for i in range(2)]
+
+    def initial_metadata(self):
+        from kvmesh.protos.security import PROOF_METADATA_KEY
+
+        return ((PROOF_METADATA_KEY, self.proof),)
+
+    def cancel(self):
+        return False
+
+    def __iter__(self):
+        yield from self.chunks[0]
+        self.release.wait(60)
+        self.sent_second.set()
+        yield from self.chunks[1]
+
+
+class _HalfStub:
+    def __init__(self):
+        self.calls: list[_HalfFetchCall] = []
+
+    def Fetch(self, request, timeout, metadata):  # noqa: N802 - gRPC's method name
+        from kvmesh.protos.security import NONCE_METADATA_KEY
+
+        self.calls.append(_HalfFetchCall(dict(metadata)[NONCE_METADATA_KEY]))
+        return self.calls[-1]
+
+
+def test_a_fetch_left_behind_keeps_its_whole_pages_and_a_late_page_stays_out(monkeypatch):
+    import kvmesh.kvstore.peer.tier as tier_mod
+
+    monkeypatch.setattr(tier_mod, "FETCH_WATCHDOG_GRACE_S", 0.2)
+    peer = PeerTier(f"127.0.0.1:{free_port()}", identity=ID, timeout=0.3, data_plane=False)
+    try:
+        stub = _HalfStub()
+        before = set(threading.enumerate())  # another test's reader may still be stuck
+        got, err = peer._fetch(stub, [h(1), h(2)], timeout=0.3)
+        assert isinstance(err, TimeoutError) and "left behind" in str(err)
+        assert got == {0: page(1)}  # the page that arrived whole before the hang
+        assert peer.metrics["fetches_left_behind"] == 1
+        call = stub.calls[0]
+        new = set(threading.enumerate()) - before
+        (reader,) = [t for t in new if t.name == "kvmesh-peer-fetch"]
+        call.release.set()  # the reader wakes up and takes page 1 after the caller left
+        reader.join(10)
+        assert call.sent_second.is_set() and not reader.is_alive()
+        assert got == {0: page(1)}  # nothing the late reader got reached the caller
     finally:
         peer.close()

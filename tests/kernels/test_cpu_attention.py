@@ -166,12 +166,13 @@ def _quant_args(sim, q, scale, window=None):
 
 @pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("fmt", ["int8", "fp8", "int4"])
-@pytest.mark.parametrize("Hq,Hkv,D", [(9, 3, 64), (8, 2, 128), (4, 2, 64), (6, 2, 20)])
+@pytest.mark.parametrize("Hq,Hkv,D", [(9, 3, 64), (8, 2, 128), (4, 2, 64), (8, 2, 64), (6, 2, 20)])
 def test_quantized_pages_match_torch_twin(libraries, build, fmt, Hq, Hkv, D):
     """Quantized pages dequantized in the kernel (the same stored scales and arithmetic as the
     torch twin), the partial last page from the residual, exactly full pages with no tail.
     int4's value step keeps a KV head's accumulators in registers where they fit (AVX-512:
-    G = 3 at D = 64, AVX2: G = 2 at D = 64) and runs token-major elsewhere: both covered."""
+    G = 3 and G = 4 at D = 64, AVX2: G = 2 at D = 64) and runs token-major elsewhere: all
+    covered."""
     sim = _sim(fmt, Hkv, D, [[37, 32, 1, 90], [2, 0, 0, 6]], seed=Hq + D)
     q = torch.randn(4, Hq, D, generator=torch.Generator().manual_seed(Hq * 3 + D))
     for window in (None, 20, 1):

@@ -93,10 +93,13 @@ def own_page_attention(
     mask: torch.Tensor,
     scale: float,
     block_size: int,
+    native: bool = False,
 ) -> torch.Tensor:
     """A chunk's attention over a quantized cache (``cache`` a ``LayerCache``, after the
     step's write): ``q`` (q_len, Hq, D), ``exact`` from ``exact_own_pages``, ``mask`` from
-    ``own_page_mask``; returns (q_len, Hq, D) in q's dtype (V as stored: still rotated)."""
+    ``own_page_mask``; returns (q_len, Hq, D) in q's dtype (V as stored: still rotated).
+    ``native``: int4 pages may be read by the C kernels (the ``cpu`` backend); the torch
+    reference backend and the Triton one leave it off and read them in torch."""
     import torch.nn.functional as F
 
     from kvmesh.kernels.quant import dequantize_pages
@@ -107,7 +110,7 @@ def own_page_attention(
     lq = int(pages.numel()) * block_size
     kk = q.new_empty((lq + xk.shape[0], H, D))  # the complete pages, then the exact ones
     vv = torch.empty_like(kk)
-    if not _dequantize_in_c(cache, pages, q, kk[:lq], vv[:lq]):
+    if not (native and _dequantize_in_c(cache, pages, q, kk[:lq], vv[:lq])):
         comps = {name: t.index_select(0, pages) for name, t in cache.views.items()}
         kq, vq = dequantize_pages(cache.cache_format, comps, q.dtype)  # (nq, bs, Hkv, D)
         kk[:lq] = kq.reshape(-1, H, D)

@@ -184,7 +184,9 @@ class TorchAttentionBackend(AttentionBackend):
                 kk = k[s : s + n].to(kdt).to(q.dtype).transpose(0, 1).unsqueeze(0)
                 vv = v[s : s + n].to(kdt).to(q.dtype).transpose(0, 1).unsqueeze(0)
             elif cache.quantized:  # the complete pages, then the chunk's own pages exact
-                o = own_page_attention(q[s : s + n], exact[i], cache, span, mask, scale, bs)
+                o = own_page_attention(
+                    q[s : s + n], exact[i], cache, span, mask, scale, bs, native=native
+                )
                 out[s : s + n] = o
                 continue
             else:
