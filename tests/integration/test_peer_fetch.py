@@ -375,9 +375,7 @@ class _StuckFetchCall:
     """A streaming call that never sends its initial metadata, past its deadline too (seen
     under heavy load from grpc's own calls): only ``cancel`` ends the wait."""
 
-    def __init__(self):
-        import threading
-
+    def __init__(self, nonce: str):
         self._cancelled = threading.Event()
 
     def initial_metadata(self):
@@ -395,62 +393,12 @@ class _StuckFetchCall:
         return iter(())
 
 
-class _StuckStub:
-    def __init__(self, call_type=_StuckFetchCall):
-        self.call_type = call_type
-        self.calls: list[_StuckFetchCall] = []
-
-    def Fetch(self, request, timeout, metadata):  # noqa: N802 - gRPC's method name
-        self.calls.append(self.call_type())
-        return self.calls[-1]
-
-
-def test_a_fetch_whose_call_outlives_its_deadline_is_cancelled_by_the_watchdog(monkeypatch):
-    import kvmesh.kvstore.peer.tier as tier_mod
-
-    monkeypatch.setattr(tier_mod, "FETCH_WATCHDOG_GRACE_S", 0.2)
-    peer = PeerTier(f"127.0.0.1:{free_port()}", identity=ID, timeout=0.3, data_plane=False)
-    try:
-        stub = _StuckStub()
-        t0 = time.monotonic()
-        got, err = peer._fetch(stub, [h(1)], timeout=0.3)
-        took = time.monotonic() - t0
-        assert got == {} and err is not None  # misses, never pages or an exception
-        assert stub.calls[0].cancelled()
-        assert took < 30, f"the stuck call held the fetch {took:.1f}s"  # 60 s without it
-    finally:
-        peer.close()
-
-
 class _DeafFetchCall(_StuckFetchCall):
     """A call whose status arrived but whose initial metadata never does: grpc's rendezvous
     then waits for it forever, and ``cancel`` does nothing (the call is over already)."""
 
-    def initial_metadata(self):
-        self._cancelled.wait(60)  # cancel() below never sets it
-        return ()
-
     def cancel(self):
-        return False
-
-    def cancelled(self):
-        return False
-
-
-def test_a_fetch_whose_read_ignores_the_cancel_is_left_behind(monkeypatch):
-    import kvmesh.kvstore.peer.tier as tier_mod
-
-    monkeypatch.setattr(tier_mod, "FETCH_WATCHDOG_GRACE_S", 0.2)
-    peer = PeerTier(f"127.0.0.1:{free_port()}", identity=ID, timeout=0.3, data_plane=False)
-    try:
-        stub = _StuckStub(_DeafFetchCall)
-        t0 = time.monotonic()
-        got, err = peer._fetch(stub, [h(1)], timeout=0.3)
-        took = time.monotonic() - t0
-        assert got == {} and isinstance(err, TimeoutError) and "left behind" in str(err)
-        assert took < 10, f"the deaf call held the fetch {took:.1f}s"  # 60 s without it
-    finally:
-        peer.close()
+        return False  # the event initial_metadata waits on is never set
 
 
 class _HalfFetchCall:
@@ -458,8 +406,6 @@ class _HalfFetchCall:
     (cancel does nothing: its status arrived already), then sends page 1."""
 
     def __init__(self, nonce: str):
-        import threading
-
         from kvmesh.kvstore.peer.framing import page_chunks
 
         self.proof = ID.proof(nonce)
@@ -482,35 +428,63 @@ class _HalfFetchCall:
         yield from self.chunks[1]
 
 
-class _HalfStub:
-    def __init__(self):
-        self.calls: list[_HalfFetchCall] = []
+class _FakeStub:
+    """A KVTransfer stub whose Fetch returns ``call_type(nonce)`` (the nonce the request
+    asked the peer to prove itself with)."""
+
+    def __init__(self, call_type):
+        self.call_type = call_type
+        self.calls: list = []
 
     def Fetch(self, request, timeout, metadata):  # noqa: N802 - gRPC's method name
         from kvmesh.protos.security import NONCE_METADATA_KEY
 
-        self.calls.append(_HalfFetchCall(dict(metadata)[NONCE_METADATA_KEY]))
+        self.calls.append(self.call_type(dict(metadata)[NONCE_METADATA_KEY]))
         return self.calls[-1]
 
 
-def test_a_fetch_left_behind_keeps_its_whole_pages_and_a_late_page_stays_out(monkeypatch):
+@pytest.fixture
+def quick_peer(monkeypatch):
+    """A gRPC-only PeerTier with a 0.3 s timeout and a 0.2 s watchdog grace; the tests hand
+    its ``_fetch`` a fake stub, so its address is never dialled."""
     import kvmesh.kvstore.peer.tier as tier_mod
 
     monkeypatch.setattr(tier_mod, "FETCH_WATCHDOG_GRACE_S", 0.2)
     peer = PeerTier(f"127.0.0.1:{free_port()}", identity=ID, timeout=0.3, data_plane=False)
-    try:
-        stub = _HalfStub()
-        before = set(threading.enumerate())  # another test's reader may still be stuck
-        got, err = peer._fetch(stub, [h(1), h(2)], timeout=0.3)
-        assert isinstance(err, TimeoutError) and "left behind" in str(err)
-        assert got == {0: page(1)}  # the page that arrived whole before the hang
-        assert peer.metrics["fetches_left_behind"] == 1
-        call = stub.calls[0]
-        new = set(threading.enumerate()) - before
-        (reader,) = [t for t in new if t.name == "kvmesh-peer-fetch"]
-        call.release.set()  # the reader wakes up and takes page 1 after the caller left
-        reader.join(10)
-        assert call.sent_second.is_set() and not reader.is_alive()
-        assert got == {0: page(1)}  # nothing the late reader got reached the caller
-    finally:
-        peer.close()
+    yield peer
+    peer.close()
+
+
+def test_a_fetch_whose_call_outlives_its_deadline_is_cancelled_by_the_watchdog(quick_peer):
+    stub = _FakeStub(_StuckFetchCall)
+    t0 = time.monotonic()
+    got, err = quick_peer._fetch(stub, [h(1)], timeout=0.3)
+    took = time.monotonic() - t0
+    assert got == {} and err is not None  # misses, never pages or an exception
+    assert stub.calls[0].cancelled()
+    assert took < 30, f"the stuck call held the fetch {took:.1f}s"  # 60 s without it
+
+
+def test_a_fetch_whose_read_ignores_the_cancel_is_left_behind(quick_peer):
+    stub = _FakeStub(_DeafFetchCall)
+    t0 = time.monotonic()
+    got, err = quick_peer._fetch(stub, [h(1)], timeout=0.3)
+    took = time.monotonic() - t0
+    assert got == {} and isinstance(err, TimeoutError) and "left behind" in str(err)
+    assert took < 10, f"the deaf call held the fetch {took:.1f}s"  # 60 s without it
+
+
+def test_a_fetch_left_behind_keeps_its_whole_pages_and_a_late_page_stays_out(quick_peer):
+    stub = _FakeStub(_HalfFetchCall)
+    before = set(threading.enumerate())  # another test's reader may still be stuck
+    got, err = quick_peer._fetch(stub, [h(1), h(2)], timeout=0.3)
+    assert isinstance(err, TimeoutError) and "left behind" in str(err)
+    assert got == {0: page(1)}  # the page that arrived whole before the hang
+    assert quick_peer.metrics["fetches_left_behind"] == 1
+    call = stub.calls[0]
+    new = set(threading.enumerate()) - before
+    (reader,) = [t for t in new if t.name == "kvmesh-peer-fetch"]
+    call.release.set()  # the reader wakes up and takes page 1 after the caller left
+    reader.join(10)
+    assert call.sent_second.is_set() and not reader.is_alive()
+    assert got == {0: page(1)}  # nothing the late reader got reached the caller
