@@ -122,7 +122,7 @@ def autotune_mode() -> str:
     """The GEMM mode the engine runs over this bench's float KV cache (``kernels.autotune``)."""
     from kvmesh.kernels import autotune
 
-    return autotune.engine_mode(quantized_kv=False)
+    return autotune.engine_mode()
 
 
 def run_kvmesh(args, text: str) -> tuple[dict, list[list[int]], list[list[int]]]:

@@ -390,16 +390,14 @@ _tuners: dict[str, GemmTuner] = {}  # the process's tuners, one per mode
 _default_lock = threading.Lock()
 
 
-def engine_mode(quantized_kv: bool) -> str:
+def engine_mode() -> str:
     """The mode an engine's linear layers run: ``$KVMESH_GEMM`` when set, else ``auto`` (the
     fastest measured) for every KV cache format. Over quantized caches ``auto``'s last-bit
     differences can move an int8/int4 code, so tests that hold the engine to a
     fake-quantized torch reference bit for bit pin ``KVMESH_GEMM=exact`` (which also keeps
-    the elementwise ops in torch: ``elementwise_in_c``). ``quantized_kv`` is kept for the
-    callers: the choice no longer depends on it."""
+    the elementwise ops in torch: ``elementwise_in_c``)."""
     from kvmesh.worker import envs
 
-    del quantized_kv
     return envs.gemm_mode() or "auto"
 
 

@@ -208,7 +208,7 @@ class LLMEngine:
             self.backend = get_backend(backend_name, sliding_window=cfg.sliding_window)
         from kvmesh.kernels import autotune  # GEMMs by measurement: auto unless KVMESH_GEMM
 
-        mode = autotune.engine_mode(self.layout.quantized)
+        mode = autotune.engine_mode()
         if (
             backend_name == "cpu"
             and autotune.elementwise_in_c(self.layout.quantized, mode)

@@ -189,13 +189,12 @@ def test_auto_keeps_f_linear_unless_a_candidate_is_clearly_faster():
 
 def test_engine_mode_is_auto_for_every_cache_format_unless_set(monkeypatch):
     monkeypatch.delenv("KVMESH_GEMM", raising=False)
-    assert autotune.engine_mode(quantized_kv=False) == "auto"
-    assert autotune.engine_mode(quantized_kv=True) == "auto"
+    assert autotune.engine_mode() == "auto"
     monkeypatch.setenv("KVMESH_GEMM", "Legacy")
-    assert autotune.engine_mode(quantized_kv=False) == autotune.engine_mode(True) == "legacy"
+    assert autotune.engine_mode() == "legacy"
     monkeypatch.setenv("KVMESH_GEMM", "fastest")
     with pytest.raises(ValueError, match="unknown GEMM mode 'fastest'"):
-        autotune.default_tuner(autotune.engine_mode(False))
+        autotune.default_tuner(autotune.engine_mode())
     # the elementwise C kernels: everywhere but under exact over a quantized cache
     assert autotune.elementwise_in_c(True, "auto") and autotune.elementwise_in_c(False, "exact")
     assert not autotune.elementwise_in_c(True, "exact")
