@@ -74,6 +74,8 @@ class Design:
     sink: int = 0  # > 0: the window's first ``sink`` tokens keep exact K/V (attention sinks)
     residual: int = 0  # > 0: a query reads exact K/V of its own ``residual``-token page (what
     # decode sees: the partial last page lives in the full-precision residual slot)
+    res_pages: int = 1  # with ``residual``: the query's own page and the ``res_pages - 1``
+    # pages before it read exact (a KIVI-style full-precision window of recent tokens)
 
     @classmethod
     def parse(cls, spec: str) -> Design:
@@ -223,7 +225,7 @@ def make_attention(d: Design):
         kq, vq = quant_kv_sink(key[0].float(), v_in[0].float(), d)
         kq, vq = kq[None].to(key.dtype), vq[None].to(value.dtype)
         if d.residual:
-            o = _residual_attention(query, key, v_in, kq, vq, scaling, d.residual)
+            o = _residual_attention(query, key, v_in, kq, vq, scaling, d.residual, d.res_pages)
         else:
             o = F.scaled_dot_product_attention(
                 query, kq, vq, is_causal=True, scale=scaling, enable_gqa=True
@@ -235,7 +237,9 @@ def make_attention(d: Design):
     return attention
 
 
-def _residual_attention(query, key, value, kq, vq, scaling, page: int) -> torch.Tensor:
+def _residual_attention(
+    query, key, value, kq, vq, scaling, page: int, pages: int = 1
+) -> torch.Tensor:
     """Causal attention in which query t reads exact K/V for the keys of its own page
     (positions ``t // page * page .. t``) and quantized K/V for every earlier page: decode's
     view, where the partial page is the full-precision residual slot."""
@@ -245,7 +249,8 @@ def _residual_attention(query, key, value, kq, vq, scaling, page: int) -> torch.
     q = query[0]
     scale = scaling if scaling is not None else D**-0.5
     pos = torch.arange(S)
-    same = (pos[:, None] // page) == (pos[None, :] // page)  # (S, S): key in the query's page
+    back = (pos[:, None] // page) - (pos[None, :] // page)
+    same = (back >= 0) & (back < pages)  # (S, S): key in the query's page or ``pages - 1`` before
     causal = pos[None, :] <= pos[:, None]
     sc = torch.where(same, q @ k.transpose(1, 2), q @ kq.transpose(1, 2)) * scale
     p = torch.softmax(sc.masked_fill(~causal, float("-inf")), -1)
