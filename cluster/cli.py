@@ -7,6 +7,7 @@ import logging
 import sys
 
 from kvmesh.worker import envs
+from kvmesh.worker.config import DEFAULT_RESIDUAL_PAGES
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -27,6 +28,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     _add_model_args(p)
     p.add_argument("--kv-cache-memory", default="1GiB", help="byte budget of the KV page pool")
+    p.add_argument(
+        "--kv-residual-pages",
+        type=int,
+        default=DEFAULT_RESIDUAL_PAGES,
+        help="quantized KV formats: each running request's last N pages kept in full "
+        "precision beside the pool and read exact (docs/formats.md)",
+    )
     p.add_argument(
         "--host-cache-memory", default=None, help="host-RAM tier for spilled pages, e.g. 4GiB"
     )
@@ -97,6 +105,7 @@ def _engine_kwargs(
         dtype=a.dtype,
         kv_cache_dtype=a.kv_cache_dtype,
         kv_cache_memory=a.kv_cache_memory,
+        kv_residual_pages=a.kv_residual_pages,
         block_size=a.block_size,
         max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens,

@@ -180,9 +180,10 @@ class PageLayout:
         return out
 
     def residual_shape(self, num_slots: int) -> tuple[int, ...]:
-        """Full-precision tail pages of quantized formats: (layers, 2, slots, bs, Hkv, D), so
-        one layer's K (or V) residual, ``residual[layer, 0]``, is a contiguous (slots, bs, Hkv,
-        D) block."""
+        """Full-precision pages of quantized formats (``num_slots`` residual pages: requests'
+        slots times their pages each): (layers, 2, num_slots, bs, Hkv, D), so one layer's K
+        (or V) residual, ``residual[layer, 0]``, is a contiguous (num_slots, bs, Hkv, D)
+        block."""
         return (self.num_layers, 2, num_slots, self.block_size, self.num_kv_heads, self.head_size)
 
 

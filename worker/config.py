@@ -59,6 +59,10 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 KV_CACHE_DTYPES = CACHE_FORMATS  # auto, fp32, fp16, bf16, fp8, int8, int4
+# quantized formats: full-precision pages per running request (docs/formats.md): 2 halves
+# int4's KL to fp32 over 1 (measured on tinyshakespeare, the tuning text; issue 23)
+DEFAULT_RESIDUAL_PAGES = 2
+MAX_RESIDUAL_PAGES = 64
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,10 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     num_pages: int | None = None  # tests: an exact pool size
+    # quantized formats: a running request's last ``kv_residual_pages`` pages stay in full
+    # precision beside the pool (its partial page and the complete ones before it), and
+    # attention reads them exact (docs/formats.md, "the residual")
+    kv_residual_pages: int = DEFAULT_RESIDUAL_PAGES
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -83,6 +91,11 @@ class CacheConfig:
             )
         if self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0, got {self.kv_cache_memory}")
+        r = self.kv_residual_pages
+        if not isinstance(r, int) or isinstance(r, bool) or not 1 <= r <= MAX_RESIDUAL_PAGES:
+            raise ValueError(
+                f"kv_residual_pages must be an integer from 1 to {MAX_RESIDUAL_PAGES}, got {r!r}"
+            )
 
 
 @dataclass(frozen=True)

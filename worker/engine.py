@@ -26,6 +26,7 @@ from kvmesh.kvstore.tier import Tier
 from kvmesh.worker import envs
 from kvmesh.worker.attention import check_backend_name, default_backend_name, get_backend
 from kvmesh.worker.config import (
+    DEFAULT_RESIDUAL_PAGES,
     CacheConfig,
     EvictionConfig,
     SchedulerConfig,
@@ -133,6 +134,7 @@ class LLMEngine:
         peer_tls: TLSConfig | None = None,
         kv_budget: int | None = None,
         kv_policy: str = "snapkv",
+        kv_residual_pages: int = DEFAULT_RESIDUAL_PAGES,
     ):
         if envs.num_threads():
             torch.set_num_threads(envs.num_threads())
@@ -147,6 +149,7 @@ class LLMEngine:
             kv_cache_dtype=kv_cache_dtype,
             enable_prefix_caching=enable_prefix_caching,
             num_pages=num_pages,
+            kv_residual_pages=kv_residual_pages,
         )
         self.eviction_config = EvictionConfig(kv_budget, kv_policy)
         host_bytes = parse_size(host_cache_memory) if host_cache_memory is not None else None
@@ -168,6 +171,7 @@ class LLMEngine:
             kv_cache_memory=self.cache_config.kv_cache_memory,
             num_pages=num_pages,
             max_num_seqs=max_num_seqs,
+            residual_pages=kv_residual_pages,
         )
         self.scheduler_config = SchedulerConfig(
             max_num_seqs=max_num_seqs,
@@ -179,7 +183,12 @@ class LLMEngine:
         self.events = EventLog(self.engine_id)
         n_slots = self.memory.num_residual_slots
         self.kv = KVCacheManager(
-            self.memory.num_pages, block_size, self.events, enable_prefix_caching, n_slots
+            self.memory.num_pages,
+            block_size,
+            self.events,
+            enable_prefix_caching,
+            n_slots,
+            residual_pages=kv_residual_pages,
         )
         store = make_store(
             self.page_spec,
@@ -239,6 +248,7 @@ class LLMEngine:
             self.eviction.wrap(self.backend),
             self.device,
             n_slots,
+            kv_residual_pages,
         )
         self.runner.eviction = self.eviction
         self.output_processor = OutputProcessor(

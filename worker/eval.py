@@ -32,6 +32,7 @@ class PerplexityResult:
     bytes_per_token: float
     # each window's mean NLL per predicted token (nats), in window order: the spread
     window_nll: list[float] | None = None
+    kv_residual_pages: int | None = None  # quantized formats: pages read exact (None: float)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -110,4 +111,5 @@ def evaluate_perplexity(
         bits_per_value=engine.layout.bits_per_value,
         bytes_per_token=engine.bytes_per_token,
         window_nll=per_window,
+        kv_residual_pages=engine.memory.residual_pages if engine.layout.quantized else None,
     )

@@ -180,14 +180,19 @@ class KVCacheManager:
         events: EventLog,
         enable_prefix_caching=True,
         num_residual_slots: int = 0,
+        residual_pages: int = 1,
     ):
         self.block_size = block_size
         self.pool = PagePool(num_pages, events)
         self.enable_prefix_caching = enable_prefix_caching
         self.req_pages: dict[str, list[Page]] = {}
-        # quantized formats: each request holding pages owns one residual slot for its
-        # partially filled last page
+        # quantized formats: each request holding pages owns one residual slot, a ring of
+        # ``residual_pages`` full-precision pages for its last pages (LayerCache)
         self.num_residual_slots = num_residual_slots
+        self.residual_pages = residual_pages
+        # per request: the first page it computed itself (the ring has no copy of the pages
+        # before it: a restored prefix, read quantized)
+        self._ring_from: dict[str, int] = {}
         self._free_slots = list(range(num_residual_slots - 1, -1, -1))
         self._req_slot: dict[str, int] = {}
         self._num_hashed: dict[str, int] = {}
@@ -231,6 +236,7 @@ class KVCacheManager:
                 if not self._free_slots:
                     raise AssertionError("no residual slot left: more running requests than slots")
                 self._req_slot[req.request_id] = self._free_slots.pop()
+                self._ring_from[req.request_id] = len(computed)
         self.pool.acquire(computed)
         self.release_hold(req)  # its own references now keep what it uses
         owned.extend(computed)
@@ -297,6 +303,7 @@ class KVCacheManager:
         pages = self.req_pages.pop(req.request_id, [])
         self._num_hashed.pop(req.request_id, None)
         slot = self._req_slot.pop(req.request_id, None)
+        self._ring_from.pop(req.request_id, None)
         if slot is not None:
             self._free_slots.append(slot)
         self.pool.release(reversed(pages))
@@ -383,6 +390,16 @@ class KVCacheManager:
 
     def residual_slot(self, req: Request) -> int:
         return self._req_slot[req.request_id]
+
+    def ring_from(self, req: Request) -> int:
+        """The first page of ``req``'s cache that its residual ring may hold (pages before it
+        were restored, not computed, and have no full-precision copy)."""
+        return self._ring_from[req.request_id]
+
+    def set_ring_from(self, req: Request, page: int) -> None:
+        """After a compaction rewrote ``req``'s cache (worker/eviction): the ring holds its
+        pages from ``page`` on (those among its last ``residual_pages``)."""
+        self._ring_from[req.request_id] = page
 
     def page_ids(self, req: Request) -> list[int]:
         return [p.page_id for p in self.req_pages.get(req.request_id, [])]

@@ -25,8 +25,9 @@ class KVMemory:
     """Pages sized from a byte budget (or a page count) for one model and cache format.
 
     ``buffer``: (num_pages, page_nbytes) uint8, page 0 the null page. ``residual``: for
-    quantized formats, one full-precision tail page per running request, outside the byte
-    budget (like activations): (layers, 2, slots, block_size, Hkv, D).
+    quantized formats, ``residual_pages`` full-precision pages per running request (its last
+    pages, a ring), outside the byte budget (like activations): (layers, 2, slots *
+    residual_pages, block_size, Hkv, D).
     """
 
     def __init__(
@@ -38,6 +39,7 @@ class KVMemory:
         dtype: torch.dtype,
         device: torch.device,
         num_residual_slots: int = 0,
+        residual_pages: int = 1,
     ):
         if num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is the null page), got {num_pages}")
@@ -47,13 +49,16 @@ class KVMemory:
         self.num_pages = num_pages
         self.buffer = layout.allocate(num_pages, device)  # (num_pages, page_nbytes)
         self.num_residual_slots = n_slots = num_residual_slots if layout.quantized else 0
-        self.residual = torch.zeros(layout.residual_shape(n_slots), dtype=dtype, device=device)
+        self.residual_pages = residual_pages
+        shape = layout.residual_shape(n_slots * residual_pages)
+        self.residual = torch.zeros(shape, dtype=dtype, device=device)
         self.layer_caches = [
             LayerCache(
                 self.cache_format,
                 layout.views(self.buffer, i),
                 self.residual[i, 0] if n_slots else None,
                 self.residual[i, 1] if n_slots else None,
+                residual_pages,
             )
             for i in range(layout.num_layers)
         ]
@@ -71,9 +76,11 @@ class KVMemory:
         kv_cache_memory: int,
         num_pages: int | None,
         max_num_seqs: int,
+        residual_pages: int = 1,
     ) -> KVMemory:
         """As many pages as ``kv_cache_memory`` bytes hold (or ``num_pages``), with one
-        residual slot per possible running request for quantized formats."""
+        residual slot of ``residual_pages`` pages per possible running request for quantized
+        formats."""
         cache_format = resolve_format(kv_cache_dtype, dtype)
         _check_format_supported(cache_format, device)
         layout = cfg.page_layout(cache_format, block_size)  # MLA models: latent pages
@@ -84,7 +91,13 @@ class KVMemory:
                 f"{layout.page_nbytes} bytes; at least 2 are needed"
             )
         return cls(
-            layout, model_fp, n_pages, dtype=dtype, device=device, num_residual_slots=max_num_seqs
+            layout,
+            model_fp,
+            n_pages,
+            dtype=dtype,
+            device=device,
+            num_residual_slots=max_num_seqs,
+            residual_pages=residual_pages,
         )
 
     @property

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvmesh.worker.attention import AttentionBackend, AttentionMetadata, LayerCache, PrefillSpan
+from kvmesh.worker.attention.base import residual_page
 from kvmesh.worker.kv_cache import KVCacheManager
 from kvmesh.worker.request import Request
 
@@ -18,10 +19,12 @@ class ModelRunner:
         backend: AttentionBackend,
         device: torch.device,
         num_residual_slots: int = 0,  # quantized formats: R, the residual's slot count
+        residual_pages: int = 1,  # quantized formats: W, each slot's ring of pages
     ):
         self.model = model
         self.caches = caches
         self.num_residual_slots = num_residual_slots
+        self.residual_pages = residual_pages
         self.kv = kv
         self.backend = backend
         self.device = device
@@ -48,7 +51,7 @@ class ModelRunner:
         to_sample: list[Request] = []
         spans: list[tuple[Request, int, int]] = []
         quantized = self.num_residual_slots > 0
-        plan = _QuantPlan(bs, self.num_residual_slots) if quantized else None
+        plan = _QuantPlan(bs, self.num_residual_slots, self.residual_pages) if quantized else None
         for req, n in order:
             # an evicting request's cache is shorter than its sequence: tokens go to cache
             # slots from ``cp`` on, at positions from ``c`` on (worker/eviction)
@@ -59,20 +62,23 @@ class ModelRunner:
             ids += req.all_token_ids[c : c + n]
             pos += range(c, c + n)
             slots += [table[p // bs] * bs + p % bs for p in range(cp, cp + n)]
-            r = -1
+            r, ring_from, tail = -1, 0, -1
             if plan is not None:
-                r = self.kv.residual_slot(req)
+                r, ring_from = self.kv.residual_slot(req), self.kv.ring_from(req)
                 plan.add(table, start, num_computed=cp, num_new=n, residual_slot=r)
-            tail = r if (cp + n) % bs else -1  # the slot holding the partial last page
+                if (cp + n) % bs:  # the residual page holding the partial last page
+                    tail = residual_page(r, (cp + n) // bs, self.residual_pages)
             if n == 1:
                 decode_tables.append(table[: (cp + bs) // bs])
                 decode_lens.append(cp + 1)
                 if plan is not None:
-                    plan.decode_slots.append(tail)
+                    plan.add_decode(cp + 1, r, ring_from)
             else:
                 n_pages = -(-(cp + n) // bs)
                 pages = torch.tensor(table[:n_pages], dtype=torch.int64, device=self.device)
-                prefills.append(PrefillSpan(start, n, cp + n, pages, tail, r))
+                prefills.append(
+                    PrefillSpan(start, n, cp + n, pages, tail, r, self.residual_pages, ring_from)
+                )
             if c + n == req.num_tokens:
                 logit_idx.append(len(ids) - 1)
                 to_sample.append(req)
@@ -109,15 +115,34 @@ class ModelRunner:
 
 class _QuantPlan:
     """Per-step bookkeeping for quantized formats: which pages fill (and where their tokens
-    are in full precision), and which new tokens go to residual slots."""
+    are in full precision), which new tokens go to residual rows (every token of a request's
+    last W pages: its ring), and which residual pages each decode sequence reads."""
 
-    def __init__(self, block_size: int, num_slots: int):
+    def __init__(self, block_size: int, num_slots: int, residual_pages: int = 1):
         self.block_size = block_size
-        self.res_rows = num_slots * block_size  # new-token sources are offset by this
+        self.W = residual_pages
+        self.res_rows = num_slots * residual_pages * block_size  # new-token sources start here
         self.residual_rows: list[int] = []  # per new token, in step order
         self.complete_pages: list[int] = []
         self.complete_src: list[int] = []
-        self.decode_slots: list[int] = []
+        self.decode_slots: list[list[int]] = []
+
+    def _row(self, slot: int, pos: int) -> int:
+        """The residual row of cache position ``pos`` of the request in ``slot``."""
+        bs = self.block_size
+        return residual_page(slot, pos // bs, self.W) * bs + pos % bs
+
+    def add_decode(self, context_len: int, slot: int, ring_from: int) -> None:
+        """A decode sequence with ``context_len`` keys (its new token's included): the
+        residual page of each of its last W pages, -1 where the pool holds the only copy."""
+        last = (context_len - 1) // self.block_size
+        first = last - self.W + 1
+        self.decode_slots.append(
+            [
+                residual_page(slot, j, self.W) if j >= max(ring_from, 0) else -1
+                for j in range(first, last + 1)
+            ]
+        )
 
     def add(
         self,
@@ -133,19 +158,21 @@ class _QuantPlan:
         if residual_slot < 0:
             raise AssertionError("a request of a quantized cache has no residual slot")
         bs, end = self.block_size, num_computed + num_new
-        slot_row = residual_slot * bs  # the slot's first row in the residual
         for page in range(num_computed // bs, end // bs):  # pages that fill in this step
             self.complete_pages.append(table[page])
             for pos in range(page * bs, (page + 1) * bs):
-                # earlier tokens of the page wait in the residual; the rest are new
+                # earlier tokens of the page wait in the ring; the rest are new
                 self.complete_src.append(
-                    slot_row + pos % bs
+                    self._row(residual_slot, pos)
                     if pos < num_computed
                     else self.res_rows + token_start + pos - num_computed
                 )
-        tail_from = max(num_computed, end // bs * bs)
-        self.residual_rows += [-1] * (tail_from - num_computed)
-        self.residual_rows += [slot_row + pos % bs for pos in range(tail_from, end)]
+        # the ring keeps the last W pages after the step (the write kernels gather the
+        # completing pages' sources before they store these rows, so a page W back whose
+        # ring page a new token takes over is still read whole)
+        keep_from = max(num_computed, ((end - 1) // bs - self.W + 1) * bs)
+        self.residual_rows += [-1] * (keep_from - num_computed)
+        self.residual_rows += [self._row(residual_slot, pos) for pos in range(keep_from, end)]
 
     def fill(self, meta: AttentionMetadata, device: torch.device) -> None:
         def t(x):
@@ -154,4 +181,4 @@ class _QuantPlan:
         meta.residual_slots = t(self.residual_rows)
         meta.complete_pages = t(self.complete_pages)
         meta.complete_src = t(self.complete_src).view(-1, self.block_size)
-        meta.decode_residual_slots = t(self.decode_slots)
+        meta.decode_residual_slots = t(self.decode_slots).view(-1, self.W)

@@ -19,18 +19,21 @@ from kvmesh.kernels.quant import (
     value_rotation_block,
 )
 from kvmesh.worker import LLM, SamplingParams
+from kvmesh.worker.config import DEFAULT_RESIDUAL_PAGES
 
 BS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
-def _fake_quant_attention(fmt: str):
+def _fake_quant_attention(fmt: str, W: int = DEFAULT_RESIDUAL_PAGES, state: dict | None = None):
     """An attention function for transformers that reads K/V the way kvmesh stores them:
     every full page of ``BS`` tokens quantized and dequantized as a whole, and a query at
-    position ``p`` reading the pages complete at ``p`` quantized and its own page, while
-    that is partial, in full precision (the engine's residual; in prefill too). transformers
-    keeps its own cache in full precision, so each position's K/V is computed once, as in
-    the engine."""
+    position ``p`` reading its own page and the ``W - 1`` pages before it in full precision
+    (the engine's residual ring; in prefill too) and every earlier page quantized.
+    transformers keeps its own cache in full precision, so each position's K/V is computed
+    once, as in the engine. ``state["ring_from"]`` (default 0): pages before it were
+    restored from the prefix cache, not computed by the request, and are read quantized."""
+    state = {"ring_from": 0} if state is None else state
 
     def attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
         B, H, S, D = key.shape  # (1, Hkv, S, D): everything cached so far plus the new tokens
@@ -47,20 +50,29 @@ def _fake_quant_attention(fmt: str):
             kq[0, :, : n * BS] = kd.reshape(n * BS, H, D).transpose(0, 1)
             vq[0, :, : n * BS] = vd.reshape(n * BS, H, D).transpose(0, 1)
         Q = query.shape[2]
-        if Q == 1:  # decode: full pages quantized, the partial last one exact
-            keys, values, mask = kq, vq, torch.ones(1, S, dtype=torch.bool)
-        else:  # the engine's prefill layout: complete pages, then the chunk's pages exact
-            e0 = (S - Q) // BS * BS
+
+        def window(page):  # the first page a query on ``page`` reads exact
+            lo = max(state["ring_from"], 0)
+            return (page - W + 1).clamp(min=lo) if torch.is_tensor(page) else max(page - W + 1, lo)
+
+        if Q == 1:  # decode: the last W pages exact, in place, earlier pages quantized
+            x0 = window((S - 1) // BS) * BS
+            keys = torch.cat([kq[:, :, :x0], key[:, :, x0:]], dim=2)
+            values = torch.cat([vq[:, :, :x0], value[:, :, x0:]], dim=2)
+            mask = torch.ones(1, S, dtype=torch.bool)
+        else:  # the engine's prefill layout: the pages some query reads quantized, then the
+            # exact pages from the first query's window on (worker.attention.own_page)
+            lq = min(window((S - 1) // BS), n) * BS
+            e0 = window((S - Q) // BS) * BS
             lx = -(-S // BS) * BS - e0
             pad = key.new_zeros((B, H, e0 + lx - S, D))
-            keys = torch.cat([kq[:, :, : n * BS], key[:, :, e0:], pad], dim=2)
-            values = torch.cat([vq[:, :, : n * BS], value[:, :, e0:], pad], dim=2)
+            keys = torch.cat([kq[:, :, :lq], key[:, :, e0:], pad], dim=2)
+            values = torch.cat([vq[:, :, :lq], value[:, :, e0:], pad], dim=2)
             qpos = torch.arange(S - Q, S)[:, None]
-            kpos = torch.cat([torch.arange(n * BS), torch.arange(e0, e0 + lx)])[None, :]
-            exact = torch.arange(n * BS + lx)[None, :] >= n * BS
-            # a key of the query's own page is exact unless the query completes the page
-            own = (kpos // BS == qpos // BS) & (qpos % BS != BS - 1)
-            mask = (kpos <= qpos) & (own == exact)
+            kpos = torch.cat([torch.arange(lq), torch.arange(e0, e0 + lx)])[None, :]
+            exact = torch.arange(lq + lx)[None, :] >= lq
+            in_window = kpos // BS >= window(qpos // BS)
+            mask = (kpos <= qpos) & (in_window == exact)
         o = F.scaled_dot_product_attention(
             query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True
         )  # (1, Hq, Q, D)
@@ -71,14 +83,25 @@ def _fake_quant_attention(fmt: str):
     return attention
 
 
-def _hf_fake_quant_greedy(model, fmt: str, prompt: list[int], n: int, chunk: int) -> list[int]:
+def _hf_fake_quant_greedy(
+    model,
+    fmt: str,
+    prompt: list[int],
+    n: int,
+    chunk: int,
+    W: int = DEFAULT_RESIDUAL_PAGES,
+    restored: int = 0,
+) -> list[int]:
     """transformers' greedy tokens with kvmesh's page quantization, the prompt prefilled in
     chunks of ``chunk`` tokens (as the engine schedules a lone request), then one token per
-    step."""
+    step. ``restored`` (a multiple of BS): the request found that many tokens in the prefix
+    cache, computed (in the first pass, as a cold request) with every page its own; it
+    recomputes the rest reading the restored pages quantized."""
     from transformers import AttentionInterface, DynamicCache
 
-    name = f"kvmesh_fakequant_{fmt}"
-    AttentionInterface.register(name, _fake_quant_attention(fmt))
+    name = f"kvmesh_fakequant_{fmt}_{W}"
+    state = {"ring_from": 0}
+    AttentionInterface.register(name, _fake_quant_attention(fmt, W, state))
     before = model.config._attn_implementation
     model.set_attn_implementation(name)
     out: list[int] = []
@@ -87,6 +110,10 @@ def _hf_fake_quant_greedy(model, fmt: str, prompt: list[int], n: int, chunk: int
         with torch.no_grad():
             for s in range(0, len(prompt), chunk):
                 logits = model(torch.tensor([prompt[s : s + chunk]]), cache=cache)
+            if restored:  # the cached pages as the cold request left them; the rest anew
+                cache.crop(restored - len(prompt))  # drop the tokens after it
+                state["ring_from"] = restored // BS
+                logits = model(torch.tensor([prompt[restored:]]), cache=cache)
             for _ in range(n):
                 out.append(int(logits.logits[0, -1].argmax()))
                 logits = model(torch.tensor([out[-1:]]), cache=cache)
@@ -131,11 +158,32 @@ def test_batched_int8_matches_fake_quantized_transformers(hf_smol, prompts, monk
         assert out.token_ids == _hf_fake_quant_greedy(hf_smol, "int8", p, GREEDY.max_tokens, 4096)
 
 
+def test_a_prefix_hit_reads_the_restored_pages_quantized(hf_smol, prompts, monkeypatch):
+    """With a residual ring of W = 2 pages, a cold request's queries read the page before
+    their own exact; after a prefix hit that page was restored from the cache and has no
+    full-precision copy, so the hit's queries read it quantized (docs/formats.md): token for
+    token the oracle with the restored pages quantized, for the cold and the hit run alike."""
+    monkeypatch.setenv("KVMESH_GEMM", "exact")
+    llm = LLM("smollm2-135m-instruct", kv_cache_dtype="int8", kv_cache_memory="64MiB")
+    assert llm.engine.memory.residual_pages == 2
+    p = prompts[1]  # 100 tokens: 6 pages restored on a hit, 4 tokens computed
+    cold = llm.generate([p], GREEDY)[0]
+    hit = llm.generate([p], GREEDY)[0]
+    assert hit.num_cached_tokens == 96
+    n = GREEDY.max_tokens
+    assert cold.token_ids == _hf_fake_quant_greedy(hf_smol, "int8", p, n, 4096)
+    assert hit.token_ids == _hf_fake_quant_greedy(hf_smol, "int8", p, n, 4096, restored=96)
+
+
 @pytest.mark.parametrize("fmt, stored", [("int8", torch.int8), ("int4", torch.uint8)])
 def test_attention_reads_the_quantized_pages(prompts, fmt, stored):
     """The control for the end-to-end tests above: the tokens they compare come from the
-    quantized pages (spoil the cached pages' value scales and a hit's tokens change)."""
-    llm = LLM("smollm2-135m-instruct", kv_cache_dtype=fmt, kv_cache_memory="64MiB")
+    quantized pages (spoil the cached pages' value scales and a hit's tokens change). With
+    one residual page a hit gives the cold run's tokens: every page a query reads quantized
+    is one it would have read quantized cold."""
+    llm = LLM(
+        "smollm2-135m-instruct", kv_cache_dtype=fmt, kv_cache_memory="64MiB", kv_residual_pages=1
+    )
     eng = llm.engine
     prompt = prompts[1]
     cold = llm.generate([prompt], GREEDY)[0]

@@ -1,57 +1,68 @@
-"""Prefill over a quantized cache reads each query's own page exact, as decode does.
+"""Prefill over a quantized cache reads each query's recent pages exact, as decode does.
 
-A quantized page is quantized when it fills; until then its tokens live in the request's
-full-precision residual slot, which is what decode reads for the partial last page. So in
-decode a query at position ``p`` sees every page that was complete at ``p`` quantized and
-its own page, up to ``p``, exact, unless ``p`` is the page's last position (its token
-completes the page, which is quantized in that step and read back quantized).
+A quantized page is quantized when it fills, and its tokens also stay in the request's
+full-precision residual ring while the page is among the request's last W pages
+(``LayerCache.residual_pages``). So in decode a query at position ``p`` reads the pages
+``page(p) - W + 1 .. page(p)`` (its own page up to ``p``, and the W - 1 pages before it)
+exact and every earlier page quantized. Pages the request did not compute itself (a
+restored prefix: before ``span.ring_from``) have no full-precision copy and are read
+quantized.
 
-Prefill gives every query of a chunk that same view: pages complete at its position
-quantized (read from the pool), its own page exact (the tokens of earlier steps from the
-request's residual slot as it was before this step's write, the chunk's own tokens from
-the step's K/V). A token's attention output then does not depend on how its prompt was
-chunked, nor on whether it was prefilled or decoded (up to float rounding), and the
-chunk's queries do not read their own neighbourhood through the quantizer (issue 23: this
-roughly halved KL(fp32 || int4) on SmolLM2-135M).
+Prefill gives every query of a chunk that same view: its window of W pages exact (the
+tokens of earlier steps from the request's ring as it was before this step's write, the
+chunk's own tokens from the step's K/V), the pages before the window quantized (read from
+the pool). A token's attention output then does not depend on how its prompt was chunked,
+nor on whether it was prefilled or decoded (up to float rounding), and the chunk's
+queries do not read their neighbourhood through the quantizer (issue 23: the own page
+exact roughly halved KL(fp32 || int4) on SmolLM2-135M, and the page before it as well
+took another third off).
 
-Keys are two runs: ``Lq`` quantized positions ``[0, Lq)`` (the pages complete after the
-step's write), then the exact pages of the chunk, positions ``[E0, E0 + Lx)`` where ``E0``
-starts the page of the chunk's first token. ``own_page_mask`` says which of the
-``Lq + Lx`` keys each query reads.
+Keys are two runs: ``Lq`` quantized positions ``[0, Lq)`` (the pages some query of the
+chunk reads quantized), then the exact pages, positions ``[E0, E0 + Lx)`` where ``E0``
+starts the first query's window. ``own_page_mask`` says which of the ``Lq + Lx`` keys each
+query reads.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvmesh.worker.attention.base import PrefillSpan
+from kvmesh.worker.attention.base import PrefillSpan, residual_page
 
 OWN_PAGE_QUERY_BLOCK = 256  # query rows per SDPA call in own_page_attention
+
+
+def _window_start(page: torch.Tensor | int, span: PrefillSpan):
+    """The first page a query on ``page`` reads exact: W - 1 pages back, not before the
+    first page the request computed itself."""
+    w = page - span.residual_pages + 1
+    if isinstance(w, int):
+        return max(w, span.ring_from, 0)
+    return w.clamp(min=max(span.ring_from, 0))
 
 
 def own_page_geometry(span: PrefillSpan, block_size: int) -> tuple[int, int, int]:
     """``(Lq, E0, Lx)``: quantized keys ``[0, Lq)``, exact keys ``[E0, E0 + Lx)`` (whole
     pages: positions from ``context_len`` on are masked)."""
     bs, ctx = block_size, span.context_len
-    e0 = (ctx - span.q_len) // bs * bs
-    return ctx // bs * bs, e0, -(-ctx // bs) * bs - e0
+    e0 = _window_start((ctx - span.q_len) // bs, span) * bs
+    lq = min(_window_start((ctx - 1) // bs, span), ctx // bs) * bs  # read quantized by some
+    return lq, e0, -(-ctx // bs) * bs - e0
 
 
 def own_page_mask(
     span: PrefillSpan, block_size: int, device: torch.device, sliding_window: int | None = None
 ) -> torch.Tensor:
-    """(q_len, Lq + Lx) bool: query ``p`` reads quantized key ``j`` when ``j <= p`` and j's
-    page is complete at ``p``, and exact key ``j`` when ``j <= p`` and j is in p's own,
-    still partial page."""
+    """(q_len, Lq + Lx) bool: query ``p`` reads quantized key ``j`` when j's page is before
+    p's window, and exact key ``j`` when ``j <= p`` and j's page is in the window."""
     bs = block_size
     lq, e0, lx = own_page_geometry(span, bs)
     qpos = torch.arange(span.context_len - span.q_len, span.context_len, device=device)[:, None]
-    qpage = qpos // bs
-    closes = qpos % bs == bs - 1  # its token completes its page: the page reads quantized
+    first = _window_start(qpos // bs, span)  # (q_len, 1): the window's first page
     kq = torch.arange(lq, device=device)[None, :]
     kx = torch.arange(e0, e0 + lx, device=device)[None, :]
-    mq = (kq <= qpos) & ((kq // bs < qpage) | closes)
-    mx = (kx <= qpos) & (kx // bs == qpage) & ~closes
+    mq = kq // bs < first
+    mx = (kx <= qpos) & (kx // bs >= first)
     if sliding_window is not None:
         mq &= kq > qpos - sliding_window
         mx &= kx > qpos - sliding_window
@@ -66,20 +77,27 @@ def exact_own_pages(
     residual_v: torch.Tensor,
     block_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunk's pages in full precision, ``(Lx, Hkv, D)`` each in the residual's dtype:
-    the first page's earlier tokens from ``span.request_slot`` (call this before the step's
-    write, which may reuse the slot), then the chunk's tokens ``k/v[start:start + q_len]``
-    (V as stored: rotated where the format rotates it), zeros after ``context_len``."""
-    _, e0, lx = own_page_geometry(span, block_size)
-    head = span.context_len - span.q_len - e0  # earlier tokens of the first page
+    """The exact keys' K/V, ``(Lx, Hkv, D)`` each in the residual's dtype: the tokens from
+    ``E0`` up to the chunk from the request's ring (``span.request_slot``; call this before
+    the step's write, which may reuse the ring's pages), then the chunk's tokens
+    ``k/v[start:start + q_len]`` (V as stored: rotated where the format rotates it), zeros
+    after ``context_len``."""
+    bs = block_size
+    _, e0, lx = own_page_geometry(span, bs)
+    head = span.context_len - span.q_len - e0  # earlier tokens, in the ring
     s, n = span.start, span.q_len
+    if head and span.request_slot < 0:
+        raise AssertionError("a chunk reading earlier exact pages has no residual slot")
+    ring = [
+        residual_page(span.request_slot, j, span.residual_pages)
+        for j in range(e0 // bs, -(-(e0 + head) // bs))
+    ]
     out = []
     for new, res in ((k, residual_k), (v, residual_v)):
         x = res.new_zeros((lx, *res.shape[2:]))
         if head:
-            if span.request_slot < 0:
-                raise AssertionError("a chunk continuing a partial page has no residual slot")
-            x[:head] = res[span.request_slot, :head]
+            x[: len(ring) * bs] = res[ring].reshape(-1, *res.shape[2:])
+            x[head:] = 0  # a partial page's rows past ``head`` are not its tokens yet
         x[head : head + n] = new[s : s + n].to(res.dtype)
         out.append(x)
     return out[0], out[1]
@@ -104,10 +122,10 @@ def own_page_attention(
 
     from kvmesh.kernels.quant import dequantize_pages
 
-    pages = span.block_table[: span.context_len // block_size]  # complete after the write
+    lq, _, _ = own_page_geometry(span, block_size)
+    pages = span.block_table[: lq // block_size]  # those some query reads quantized
     xk, xv = exact
     H, D = xk.shape[1:]
-    lq = int(pages.numel()) * block_size
     kk = q.new_empty((lq + xk.shape[0], H, D))  # the complete pages, then the exact ones
     vv = torch.empty_like(kk)
     if not (native and _dequantize_in_c(cache, pages, q, kk[:lq], vv[:lq])):

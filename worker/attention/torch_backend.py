@@ -88,12 +88,13 @@ class TorchAttentionBackend(AttentionBackend):
             self._prepare_quantized(meta)
 
     def _prepare_quantized(self, meta: AttentionMetadata) -> None:
-        dec = meta.decode_residual_slots
+        dec = meta.decode_residual_slots  # (B, W): residual pages of each one's last W pages
         self._decode_tail = None
         if meta.num_decode and dec is not None and bool((dec >= 0).any()):
-            rows = (dec >= 0).nonzero().squeeze(1)
-            tail_page = meta.decode_context_lens[rows] // meta.block_size
-            self._decode_tail = (rows, tail_page, dec[rows])
+            rows, i = (dec >= 0).nonzero().unbind(1)
+            last = (meta.decode_context_lens[rows] - 1) // meta.block_size
+            pages = last - dec.shape[1] + 1 + i  # the page each of those entries holds
+            self._decode_tail = (rows, pages, dec[rows, i])
 
     def _read_pages(self, cache: LayerCache, pages: torch.Tensor, dtype: torch.dtype):
         """K and V of ``pages`` (n,) as (n, bs, Hkv, D) in ``dtype``."""

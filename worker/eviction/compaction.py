@@ -2,21 +2,23 @@
 
 A request's cache is ``N`` slots: slot ``j`` lives in page ``table[j // bs]`` at offset
 ``j % bs``; for quantized formats the partial last page (``N % bs`` slots) is in the
-request's full-precision residual slot instead. Compaction never writes into a page the
+request's full-precision residual ring instead (``LayerCache.residual_page``), and so are
+copies of its complete pages among its last W. Compaction never writes into a page the
 request already holds (it may be a shared prefix-cache page): the kept slots go to fresh
 pages, and the caller then drops the old ones.
 
 Quantized formats are recompressed at page granularity: the kept values are dequantized,
-gathered, and every full page of the result is quantized afresh (its own scales), exactly
-as a page filling in decode is; the partial last page goes to the residual in full
-precision. A page of the result whose kept tokens are exactly one old full page's, in
-order, for every KV head (``unchanged_pages``), is not requantized: its bytes (codes and
-scales) are copied as stored, so a page that survives compactions unchanged is never
-requantized. A decode compaction drops ``block_size`` tokens, so the pages past the last
-dropped one move whole: StreamingLLM copies every page but the sinks' page, H2O every page
-before the first and after the last token any head of the layer dropped. int4 keeps V
-Hadamard-rotated in the pages and the residual alike, so values move in the rotated domain
-and no rotation is applied here.
+gathered, and every full page of the result is quantized afresh (its own scales), exactly as
+a page filling in decode is; the result's last W pages (the partial one included) also go to
+the residual ring in full precision, with the values the compaction moved (read quantized
+where the old cache had no full-precision copy). A page of the result whose kept tokens are
+exactly one old full page's, in order, for every KV head (``unchanged_pages``), is not
+requantized: its bytes (codes and scales) are copied as stored, so a page that survives
+compactions unchanged is never requantized. A decode compaction drops ``block_size`` tokens,
+so the pages past the last dropped one move whole: StreamingLLM copies every page but the
+sinks' page, H2O every page before the first and after the last token any head of the layer
+dropped. int4 keeps V Hadamard-rotated in the pages and the residual alike, so values move
+in the rotated domain and no rotation is applied here.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def read_layer(
             x = (dequantize_k if s == "k" else dequantize_v)(cache.cache_format, comps)
             x = x.to(dtype)  # (P, bs, Hkv, D)
             if n % bs:  # the partial last page is in the residual, not (yet) in the page
-                x[n // bs] = residual[s][residual_slot].to(dtype)
+                x[n // bs] = residual[s][cache.residual_page(residual_slot, n // bs)].to(dtype)
             out[s] = x
     H, D = out["k"].shape[-2:]
     k = out["k"].reshape(-1, H, D)[:n]
@@ -125,7 +127,11 @@ def write_layer(
                 t[dst] = t[frm]
             requant = (~copied).nonzero().flatten().to(dev)
             complete_pages, complete_src = pages.index_select(0, requant), src[requant]
-    res = torch.where(j >= full * bs, residual_slot * bs + j % bs, torch.full_like(j, -1))
+    # the ring: the last W pages of the result (LayerCache.residual_page's rows)
+    W = cache.residual_pages
+    ring_page = residual_slot * W + (j // bs) % W
+    in_ring = j >= ((K - 1) // bs - W + 1) * bs
+    res = torch.where(in_ring, ring_page * bs + j % bs, torch.full_like(j, -1))
     dt = cache.residual_k.dtype
     write_kv_cache(
         fmt=cache.cache_format,

@@ -298,6 +298,8 @@ class EvictionManager:
             self.kv.unpin(new)  # its old pages are untouched: it still holds them
             raise
         self.kv.replace_pages(req, new)
+        if self.kv.num_residual_slots:  # write_layer put the result's last pages in the ring
+            self.kv.set_ring_from(req, 0)
         st.scores = kept_scores
         req.num_evicted += n - K
         name = st.policy.name
