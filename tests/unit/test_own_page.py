@@ -12,25 +12,33 @@ from kvmesh.worker.attention.own_page import exact_own_pages, own_page_geometry,
 BS = 4
 
 
-def _span(q_len: int, ctx: int, start: int = 0, slot: int = -1) -> PrefillSpan:
+def _span(
+    q_len: int, ctx: int, start: int = 0, slot: int = -1, W: int = 1, ring_from: int = 0
+) -> PrefillSpan:
     return PrefillSpan(
-        start=start, q_len=q_len, context_len=ctx, block_table=torch.zeros(1), request_slot=slot
+        start=start,
+        q_len=q_len,
+        context_len=ctx,
+        block_table=torch.zeros(1),
+        request_slot=slot,
+        residual_pages=W,
+        ring_from=ring_from,
     )
 
 
-def _decode_view(p: int, window: int | None) -> set[tuple[int, bool]]:
-    """(key position, read exact) pairs a decode step at position p reads: pages complete at
-    p from the pool, the partial page from the residual; a token completing its page reads
-    the page quantized."""
-    start = p // BS * BS
-    closes = p % BS == BS - 1
-    view = {(j, not closes and j >= start) for j in range(p + 1)}
+def _decode_view(p: int, window: int | None, W: int, ring_from: int) -> set[tuple[int, bool]]:
+    """(key position, read exact) pairs a decode step at position p reads: the pages of its
+    window (its own and the W - 1 before it, none before ``ring_from``) from the residual
+    ring, every earlier page from the pool."""
+    first = max(p // BS - W + 1, ring_from, 0)
+    view = {(j, j // BS >= first) for j in range(p + 1)}
     return {(j, x) for j, x in view if window is None or j > p - window}
 
 
-def _prefill_views(q_len: int, ctx: int, window: int | None) -> dict[int, set]:
-    mask = own_page_mask(_span(q_len, ctx), BS, torch.device("cpu"), window)
-    lq, e0, lx = own_page_geometry(_span(q_len, ctx), BS)
+def _prefill_views(q_len: int, ctx: int, window: int | None, W: int, ring_from: int) -> dict:
+    span = _span(q_len, ctx, W=W, ring_from=ring_from)
+    mask = own_page_mask(span, BS, torch.device("cpu"), window)
+    lq, e0, lx = own_page_geometry(span, BS)
     keys = [(j, False) for j in range(lq)] + [(j, True) for j in range(e0, e0 + lx)]
     assert mask.shape == (q_len, len(keys))
     return {
@@ -39,14 +47,17 @@ def _prefill_views(q_len: int, ctx: int, window: int | None) -> dict[int, set]:
     }
 
 
+@pytest.mark.parametrize("W, ring_from", [(1, 0), (2, 0), (3, 0), (2, 2), (3, 1)])
 @pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("chunk", [1, 3, 4, 5, 11])
-def test_every_chunking_gives_each_query_the_decode_view(chunk, window):
+def test_every_chunking_gives_each_query_the_decode_view(chunk, window, W, ring_from):
+    """Each query reads the keys decode would show it, exact or quantized, whatever the
+    chunking; ``ring_from`` > 0: that many pages were restored from the prefix cache."""
     total = 23  # pages complete mid-chunk, chunks start mid-page, a partial last page
-    for c0 in range(0, total, chunk):
+    for c0 in range(ring_from * BS, total, chunk):
         n = min(chunk, total - c0)
-        for p, view in _prefill_views(n, c0 + n, window).items():
-            assert view == _decode_view(p, window), (chunk, p)
+        for p, view in _prefill_views(n, c0 + n, window, W, ring_from).items():
+            assert view == _decode_view(p, window, W, ring_from), (chunk, p)
 
 
 def test_exact_pages_take_the_earlier_tokens_from_the_residual_slot():
@@ -58,13 +69,37 @@ def test_exact_pages_take_the_earlier_tokens_from_the_residual_slot():
     # 6 tokens cached (page 1 holds 2 in slot 2), 5 new: positions 6..10, pages 1 and 2
     span = _span(5, 11, start=2, slot=2)
     xk, xv = exact_own_pages(span, k, v, res_k, res_v, BS)
-    assert own_page_geometry(span, BS) == (8, 4, 8)
+    assert own_page_geometry(span, BS) == (8, 4, 8)  # pages 0-1 quantized for the last query
     assert xk.shape == (8, H, D) and xk.dtype == res_k.dtype
     torch.testing.assert_close(xk[:2], res_k[2, :2])
     torch.testing.assert_close(xv[:2], res_v[2, :2])
     torch.testing.assert_close(xk[2:7], k[2:7].float())
     torch.testing.assert_close(xv[2:7], v[2:7].float())
     assert not xk[7:].any() and not xv[7:].any()
+
+
+def test_exact_pages_come_from_the_ring_of_w_pages():
+    """W = 2: the request in slot 1 keeps page j in residual page 1 * 2 + j % 2. A chunk at
+    positions 6..10 (pages 1 and 2) reads page 0 (residual page 2) and page 1's first two
+    tokens (residual page 3) exact from the ring, then its own tokens."""
+    H, D = 2, 3
+    res_k = torch.randn(4, BS, H, D)
+    res_v = torch.randn(4, BS, H, D)
+    k = torch.randn(5, H, D)
+    v = torch.randn(5, H, D)
+    span = _span(5, 11, start=0, slot=1, W=2)
+    assert own_page_geometry(span, BS) == (4, 0, 12)  # page 0: quantized for the last query
+    xk, xv = exact_own_pages(span, k, v, res_k, res_v, BS)
+    for x, res, new in ((xk, res_k, k), (xv, res_v, v)):
+        torch.testing.assert_close(x[:4], res[2])
+        torch.testing.assert_close(x[4:6], res[3, :2])
+        torch.testing.assert_close(x[6:11], new)
+        assert not x[11:].any()
+    # after a restored prefix of one page, page 0 is read quantized: no ring read for it
+    span = _span(5, 11, start=0, slot=1, W=2, ring_from=1)
+    assert own_page_geometry(span, BS) == (4, 4, 8)
+    xk, _ = exact_own_pages(span, k, v, res_k, res_v, BS)
+    torch.testing.assert_close(xk[:2], res_k[3, :2])
 
 
 def test_a_chunk_continuing_a_page_needs_its_slot():
