@@ -390,8 +390,8 @@ DEFINE_DECODE(kvmesh_decode_attention_f16, _Float16, f16)
  * sizes off the vector width) have their valid rows dequantized into a float scratch of
  * (bs, Hkv, D) per K and V, in each thread's heap work area (L1-sized only for small pages),
  * and the float page step runs over it: the pool is read once, as stored (an int4 page is a
- * sixth of an fp32 one), and nothing is written back. The partial last page of a sequence
- * with a residual slot is read from the fp32 residual (R, bs, Hkv, D) instead. This
+ * sixth of an fp32 one), and nothing is written back. The pages a sequence's residual slots
+ * name (its last W pages, or fewer) are read from the fp32 residual (R, bs, Hkv, D) instead. This
  * dequantization is the torch twin's arithmetic (q * scale [+ zero], two roundings), so the
  * dequantized rows are bit-equal to the twin's; the attention over them then differs by
  * float rounding (sum order). int4 on the vector builds (page_int4_vec) folds the scales into
@@ -631,8 +631,8 @@ static void page_int4_vec(const float *qb, const qpages *P, int64_t pgid, int64_
  * [2c*VW, 2(c+1)*VW), even dims in one vector and odd ones in the next. The query is split
  * that way once per sequence, a page's key scales once per KV head (the product of the two,
  * times the softmax scale, is the folded query of the page), and the output accumulators are
- * kept split until the sequence is done (or its fp32 residual page is read), then put back
- * in dim order. A value group (32 dims) is a whole number of chunks, so a token's group
+ * kept split until the sequence is done (or one of its fp32 residual pages is read), then put
+ * back in dim order. A value group (32 dims) is a whole number of chunks, so a token's group
  * scale folds into its softmax weight (one broadcast per chunk) and the group's zero term is
  * summed over the page's tokens as a scalar and added to the group's accumulators once.
  * Scores are reduced four tokens at a time (one shuffle tree for 4 dot products instead of
