@@ -390,8 +390,8 @@ DEFINE_DECODE(kvmesh_decode_attention_f16, _Float16, f16)
  * sizes off the vector width) have their valid rows dequantized into a float scratch of
  * (bs, Hkv, D) per K and V, in each thread's heap work area (L1-sized only for small pages),
  * and the float page step runs over it: the pool is read once, as stored (an int4 page is a
- * sixth of an fp32 one), and nothing is written back. The partial last page of a sequence
- * with a residual slot is read from the fp32 residual (R, bs, Hkv, D) instead. This
+ * sixth of an fp32 one), and nothing is written back. The pages a sequence's residual slots
+ * name (its last W pages, or fewer) are read from the fp32 residual (R, bs, Hkv, D) instead. This
  * dequantization is the torch twin's arithmetic (q * scale [+ zero], two roundings), so the
  * dequantized rows are bit-equal to the twin's; the attention over them then differs by
  * float rounding (sum order). int4 on the vector builds (page_int4_vec) folds the scales into
@@ -631,8 +631,8 @@ static void page_int4_vec(const float *qb, const qpages *P, int64_t pgid, int64_
  * [2c*VW, 2(c+1)*VW), even dims in one vector and odd ones in the next. The query is split
  * that way once per sequence, a page's key scales once per KV head (the product of the two,
  * times the softmax scale, is the folded query of the page), and the output accumulators are
- * kept split until the sequence is done (or its fp32 residual page is read), then put back
- * in dim order. A value group (32 dims) is a whole number of chunks, so a token's group
+ * kept split until the sequence is done (or one of its fp32 residual pages is read), then put
+ * back in dim order. A value group (32 dims) is a whole number of chunks, so a token's group
  * scale folds into its softmax weight (one broadcast per chunk) and the group's zero term is
  * summed over the page's tokens as a scalar and added to the group's accumulators once.
  * Scores are reduced four tokens at a time (one shuffle tree for 4 dot products instead of
@@ -711,6 +711,20 @@ static void unsplit_rows(float *x, int64_t rows, int64_t D, float *tmp) {
             for (int64_t i = 0; i < VW; i++) {
                 e[2 * i] = tmp[i];
                 e[2 * i + 1] = tmp[VW + i];
+            }
+        }
+}
+
+/* split_rows in place (tmp: 2 * VW floats): accumulators back to split order after a float
+ * page step, when a pool page follows a residual one. */
+static void resplit_rows(float *x, int64_t rows, int64_t D, float *tmp) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < D / (2 * VW); c++) {
+            float *e = x + r * D + 2 * VW * c;
+            memcpy(tmp, e, sizeof(float) * 2 * VW);
+            for (int64_t i = 0; i < VW; i++) {
+                e[i] = tmp[2 * i];
+                e[VW + i] = tmp[2 * i + 1];
             }
         }
 }
@@ -912,44 +926,53 @@ static inline int64_t quant_work_floats(int64_t Hq, int64_t Hkv, int64_t D, int6
     return n;
 }
 
+/* The residual slot that holds page pg of a sequence whose W slots name the pages [base,
+ * base + W) (base = its last page - W + 1), or -1: page pg is read from the pool. */
+static inline int64_t res_slot(const int64_t *slots, int64_t W, int64_t base, int64_t pg) {
+    const int64_t i = pg - base;
+    return (pg >= 0 && i >= 0 && i < W && slots[i] >= 0) ? slots[i] : -1;
+}
+
 static void seq_quant(int fmt, const float *qb, const qpages *P, const float *res_k,
-                      const float *res_v, int64_t slot, const int64_t *table, int64_t lo,
-                      int64_t L, int64_t first, int64_t last, float *ob, float *part,
+                      const float *res_v, const int64_t *slots, int64_t W, const int64_t *table,
+                      int64_t lo, int64_t L, int64_t first, int64_t last, float *ob, float *part,
                       int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale, float *work) {
     const int64_t row = Hkv * D;
     float *s = work, *acc = s + Hq * bs, *m = acc + Hq * D, *l = m + Hq;
     float *kb = l + Hq, *vb = kb + bs * row;
     float *kscr = vb + bs * row + Hq * D + Hq + D; /* 2 * row floats: int4's K scales, zeros */
     start_softmax(acc, m, l, Hq, D);
-    const int64_t tail = (L % bs && slot >= 0) ? L / bs : -1; /* page read from the residual */
+    const int64_t base = (L - 1) / bs - W + 1; /* the page slots[0] names (L >= 1 here) */
 #if VEC_PATH
-    /* the fast int4 step: acc stays in split order while it runs (put back before a float
-     * page step or at the end) */
+    /* the fast int4 step on pool pages: acc stays in split order while it runs (put back
+     * before a residual or other float page step, split again after it, put back at the end) */
     float *qsp = kscr + 2 * row, *fscr = qsp + Hq * D;
-    int split = 0;
-    if (fmt == QFMT_INT4 && int4_fast_ok(D)) {
-        split_rows(qb, qsp, Hq, D);
-        split = 1;
-    }
+    const int fast = fmt == QFMT_INT4 && int4_fast_ok(D);
+    int split = fast; /* acc starts at zero: in either order */
+    if (fast) split_rows(qb, qsp, Hq, D);
 #endif
     for (int64_t pg = first; pg <= last; pg++) {
         const int64_t t0 = pg * bs > lo ? pg * bs : lo;
         const int64_t t1 = (pg + 1) * bs < L ? (pg + 1) * bs : L;
         const int64_t nt = t1 - t0, j0 = t0 - pg * bs;
+        const int64_t slot = res_slot(slots, W, base, pg);
         const float *kp, *vp;
-        if (pg < last && pg + 1 != tail) prefetch_page(fmt, P, table[pg + 1], bs, Hkv, D);
+        if (pg < last && res_slot(slots, W, base, pg + 1) < 0)
+            prefetch_page(fmt, P, table[pg + 1], bs, Hkv, D);
 #if VEC_PATH
-        if (split && pg != tail) {
+        if (fast && slot < 0) {
+            if (!split) resplit_rows(acc, Hq, D, fscr);
+            split = 1;
             page_int4_fast_any(qb, qsp, P, table[pg], j0, nt, s, acc, m, l, Hq, Hkv, D, bs,
                                scale, fscr);
             continue;
         }
-        if (split) { /* the residual page: a float step, on accumulators in dim order */
+        if (split) { /* a residual page: a float step, on accumulators in dim order */
             unsplit_rows(acc, Hq, D, fscr);
             split = 0;
         }
 #endif
-        if (pg == tail) {
+        if (slot >= 0) {
             kp = res_k + slot * bs * row + j0 * row;
             vp = res_v + slot * bs * row + j0 * row;
 #if VEC_PATH
@@ -972,16 +995,19 @@ static void seq_quant(int fmt, const float *qb, const qpages *P, const float *re
     end_part(acc, m, l, ob, part, Hq, D);
 }
 
-/* fmt: QFMT_*. kz, vz: NULL for fp8/int8. res_k/res_v: (R, bs, Hkv, D) fp32; res_slots (B,)
- * int64, -1 where the sequence has no tail in the residual. page_stride in bytes. */
+/* fmt: QFMT_*. kz, vz: NULL for fp8/int8. res_k/res_v: (R, bs, Hkv, D) fp32. res_slots
+ * (B, res_pages) int64 row-major: entry [b, i] is the residual slot holding page
+ * (L_b - 1) / bs - res_pages + 1 + i of sequence b (read wholly from there, positions >= L_b
+ * masked), -1 where that page is read from the pool. page_stride in bytes. */
 int kvmesh_decode_attention_quant(int fmt, const float *q, const uint8_t *k, const uint8_t *ks,
                                   const uint8_t *kz, const uint8_t *v, const uint8_t *vs,
                                   const uint8_t *vz, const float *res_k, const float *res_v,
                                   const int64_t *block_tables, const int64_t *context_lens,
                                   const int64_t *res_slots, float *out, int64_t B, int64_t P,
-                                  int64_t Hq, int64_t Hkv, int64_t D, int64_t bs,
-                                  int64_t page_stride, float scale, int64_t window,
+                                  int64_t res_pages, int64_t Hq, int64_t Hkv, int64_t D,
+                                  int64_t bs, int64_t page_stride, float scale, int64_t window,
                                   int num_threads) {
+    if (res_pages < 1) return 3;
     if (fmt != QFMT_FP8 && fmt != QFMT_INT8 && fmt != QFMT_INT4) return 2;
     if (fmt == QFMT_INT4 && (D % 2 || D % (D < 32 ? D : 32))) return 2;
     if (fmt == QFMT_FP8) {
@@ -1012,8 +1038,8 @@ int kvmesh_decode_attention_quant(int fmt, const float *q, const uint8_t *k, con
             }
             int64_t pa, pb;
             part_range(lo / bs, (L - 1) / bs, it % S, S, &pa, &pb);
-            seq_quant(fmt, q + b * Hq * D, &pages, res_k, res_v, res_slots[b],
-                      block_tables + b * P, lo, L, pa, pb, ob,
+            seq_quant(fmt, q + b * Hq * D, &pages, res_k, res_v, res_slots + b * res_pages,
+                      res_pages, block_tables + b * P, lo, L, pa, pb, ob,
                       S > 1 ? parts + it * PART_FLOATS(Hq, D) : NULL, Hq, Hkv, D, bs, scale,
                       work);
         }
@@ -1066,7 +1092,7 @@ int kvmesh_dequantize_int4_pages(const uint8_t *k, const uint8_t *ks, const uint
 }
 
 /* The ABI version kernels/cpu_native.py checks, bumped with any signature change. */
-int kvmesh_cpu_abi(void) { return 3; }
+int kvmesh_cpu_abi(void) { return 4; }
 
 /* The vector path this build has: 512 (AVX-512), 256 (AVX2), 0 (scalar). */
 int kvmesh_cpu_attention_vectorized(void) { return VEC_PATH; }

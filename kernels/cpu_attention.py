@@ -6,13 +6,15 @@ decode time that traffic is the step's largest cost after the weights. The C ker
 each K/V row once, in place, through the block table. ``kernels.cpu_native`` builds it.
 
 Float formats (fp32, fp16, bf16 pages) are read as stored; quantized ones (fp8, int8,
-int4, the byte layout of ``kernels.quant``) are read in place, with a sequence's partial
-last page read from its fp32 residual slot: fp8 and int8 pages (and int4 on scalar builds
-or head sizes off the vector width) are dequantized a page at a time into a per-thread float
-scratch (small enough for L1 only for small pages) with the twin's arithmetic; int4 on the
-AVX2/AVX-512 builds folds its scales into q and the softmax weights instead of making a
-dequantized copy. Either way the result equals the twin's within float rounding (checked at
-2e-5), not bit for bit. q and the result are fp32 inside. The torch twin is
+int4, the byte layout of ``kernels.quant``) are read in place, with the pages that
+``residual_slots`` names (the partial last page, or the last W pages, see
+``kernels.paged_kv.residual_page_slots``) read from the fp32 residual instead: fp8 and
+int8 pages (and int4 on scalar builds or head sizes off the vector width) are dequantized
+a page at a time into a per-thread float scratch (small enough for L1 only for small
+pages) with the twin's arithmetic; int4 on the AVX2/AVX-512 builds folds its scales into
+q and the softmax weights instead of making a dequantized copy. Either way the result
+equals the twin's within float rounding (checked at 2e-5), not bit for bit. q and the
+result are fp32 inside. The torch twin is
 ``kernels.decode_attention.paged_decode_attention_torch``.
 """
 
@@ -22,7 +24,7 @@ import torch
 
 from kvmesh.kernels.cpu_native import CpuLibrary, default_library
 from kvmesh.kernels.page_format import FLOAT_FORMATS, QUANT_FORMATS
-from kvmesh.kernels.paged_kv import check_cache, check_index
+from kvmesh.kernels.paged_kv import check_cache, check_index, residual_page_slots
 
 _SYMBOLS = {
     "fp32": "kvmesh_decode_attention_f32",
@@ -60,7 +62,9 @@ def paged_decode_attention_cpu(
     Same contract as ``paged_decode_attention_torch``: the keys are the first
     ``context_lens[b]`` positions of sequence b's pages (the new token's own K/V already
     written), the last ``sliding_window`` of them if given; quantized formats read the
-    partial last page from ``residual_k/v[residual_slots[b]]`` (fp32, (R, bs, Hkv, D)).
+    pages ``residual_slots`` names from ``residual_k/v`` (fp32, (R, bs, Hkv, D)): (B,) the
+    partial last page ``ctx // bs`` from slot ``residual_slots[b]``, or (B, W) page
+    ``(ctx - 1) // bs - W + 1 + i`` from slot ``residual_slots[b, i]``, -1: from the pool.
     ``library``: a specific build, else the one ``cpu_native.build()`` loaded.
     """
     if fmt in QUANT_FORMATS:
@@ -129,14 +133,12 @@ def _quantized(
     B, Hq, _ = q.shape
     check_index(block_tables, "block_tables", (B, None))
     check_index(context_lens, "context_lens", (B,))
-    if residual_slots is None:
-        residual_slots = torch.full((B,), -1, dtype=torch.int64)
-    check_index(residual_slots, "residual_slots", (B,))
     for name, r in (("residual_k", residual_k), ("residual_v", residual_v)):
         if r.dtype != torch.float32 or not r.is_contiguous():
             raise ValueError(f"{name} must be contiguous float32 for the CPU kernel, got {r.dtype}")
-    if B and int(residual_slots.max()) >= residual_k.shape[0]:
-        raise ValueError(f"residual_slots name a slot >= {residual_k.shape[0]}")
+    slots = residual_page_slots(
+        residual_slots, context_lens, bs=bs, num_slots=residual_k.shape[0]
+    )  # (B, W) contiguous
     # every component of the pool lies at the same byte stride from page to page
     stride = cache["k"].stride(0) * cache["k"].element_size()
     for name, t in cache.items():
@@ -147,7 +149,7 @@ def _quantized(
     if B and int(block_tables.shape[1]) * bs < int(context_lens.max()):
         raise ValueError("block_tables have fewer pages than context_lens need")
     qf = q.detach().to(torch.float32).contiguous()
-    tables, lens, slots = (t.contiguous() for t in (block_tables, context_lens, residual_slots))
+    tables, lens = block_tables.contiguous(), context_lens.contiguous()
     o = torch.empty((B, Hq, D), dtype=torch.float32)
     if B:
         ptr = [cache[n].data_ptr() if n in cache else None for n in _QUANT_VIEWS]
@@ -155,11 +157,13 @@ def _quantized(
         rc = fn(
             _QUANT_CODES[fmt], qf.data_ptr(), *ptr, residual_k.data_ptr(), residual_v.data_ptr(),
             tables.data_ptr(), lens.data_ptr(), slots.data_ptr(), o.data_ptr(),
-            B, tables.shape[1], Hq, Hkv, D, bs, stride, float(scale), sliding_window or 0,
-            torch.get_num_threads(),
+            B, tables.shape[1], slots.shape[1], Hq, Hkv, D, bs, stride, float(scale),
+            sliding_window or 0, torch.get_num_threads(),
         )  # fmt: skip
         if rc == 1:
             raise MemoryError("the CPU attention kernel could not allocate its scratch")
+        if rc == 3:
+            raise ValueError(f"residual_slots must have W >= 1 columns, got {slots.shape[1]}")
         if rc:
             raise ValueError(f"the CPU attention kernel rejected {fmt} pages with head_size {D}")
     o = o.to(q.dtype)

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 SOURCES = tuple(
     Path(__file__).with_name(n) for n in ("cpu_attention.c", "cpu_ops.c", "cpu_quant.c")
 )
-ABI = 3
+ABI = 4
 NATIVE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off")
 PORTABLE_FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off")  # scalar paths
 # the AVX2 (+FMA, F16C) path on an AVX-512 machine, for tests: native with AVX-512 turned off
@@ -52,8 +52,9 @@ SIGNATURES = {
         for t in ("f32", "bf16", "f16")
     },
     # (fmt, q, k, k_scale, k_zero, v, v_scale, v_zero, residual k, v, tables, lens, slots,
-    #  out, B, P, Hq, Hkv, D, bs, page stride in bytes, scale, window, threads)
-    "kvmesh_decode_attention_quant": [_N] + [_P] * 13 + [_I] * 7 + [_F, _I, _N],
+    #  out, B, P, residual pages W (slots is (B, W)), Hq, Hkv, D, bs, page stride in bytes, scale,
+    #  window, threads)
+    "kvmesh_decode_attention_quant": [_N] + [_P] * 13 + [_I] * 8 + [_F, _I, _N],
     # (fmt, k, v, n, bs, H, D, page ids, 6 component bases, page stride in bytes, threads)
     "kvmesh_quantize_pages": [_N, _P, _P] + [_I] * 4 + [_P] * 7 + [_I, _N],
     # (k, k_scale, k_zero, v, v_scale, v_zero, page stride in bytes, page ids, n, bs, H, D,

@@ -7,8 +7,10 @@ each writing a partial output and its log-sum-exp; a second kernel merges them.
 
 Keys are the ``context_lens[b]`` cached positions, the new token's own included (the
 write op ran first). Quantized formats fuse dequantization into the tile load and read the
-partial last page from the sequence's residual slot (see ``kernels.paged_kv``). With a
-sliding window W, keys at positions ``< ctx - W`` are masked.
+pages that ``residual_slots`` names from the residual instead of the pool: (B,) the partial
+last page, or (B, W) the last W pages of each sequence, -1 entries from the pool (see
+``kernels.paged_kv.residual_page_slots``). With a sliding window of w keys, keys at
+positions ``< ctx - w`` are masked.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from kvmesh.kernels.paged_kv import (
     load_kv_tile,
     online_softmax_step,
     residual_kwargs,
+    residual_page_slots,
 )
 
 
@@ -47,6 +50,7 @@ def _check_decode_args(
         block_tables=block_tables,
         context_lens=context_lens,
         residual_slots=residual_slots,
+        residual_pages=True,
     )
     return bs, Hkv, D
 
@@ -125,12 +129,12 @@ def _decode_split_kernel(
     v_ptr, vs_ptr, vz_ptr, s_vp, s_vt, s_vh, s_vsp, s_vst, s_vsh, s_vsd,  # V views
     rk_ptr, rv_ptr, s_rkp, s_rkt, s_rkh, s_rvp, s_rvt, s_rvh,  # residual (R, BS, Hkv, D)
     bt_ptr, s_btb,  # (B, P) int64
-    ctx_ptr, rslot_ptr,  # (B,), (B,) int64
+    ctx_ptr, rslot_ptr, s_rsb,  # (B,), (B, RES_PAGES) int64 (residual_page_slots)
     o_ptr, lse_ptr,  # partials (B, Hq, NUM_SPLITS, D) fp32, (B, Hq, NUM_SPLITS) fp32
     qk_scale, window, Hq, D,
     FMT: tl.constexpr, QUANT: tl.constexpr, K_DIV: tl.constexpr, V_DIV: tl.constexpr,
     BS: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, RES_PAGES: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0).to(tl.int64)
     hk = tl.program_id(1)
@@ -156,8 +160,10 @@ def _decode_split_kernel(
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, BLOCK_D], tl.float32)
     n = tl.arange(0, BS)
+    # quantized: the last RES_PAGES pages, from ring (first page index ring0), go by their slots
+    ring0 = (ctx + BS - 1) // BS - RES_PAGES  # (ctx - 1) // BS - RES_PAGES + 1, ctx >= 0
     if QUANT:
-        pool_end = tl.minimum(end, ctx // BS)  # the partial page is in the residual
+        pool_end = tl.minimum(end, ring0)
     else:
         pool_end = end
     for j in range(start, pool_end):
@@ -174,20 +180,34 @@ def _decode_split_kernel(
         valid = (pos < ctx) & (pos >= ctx - window)
         m_i, l_i, acc = online_softmax_step(q, kT, vt, valid[None, :], m_i, l_i, acc, qk_scale)
     if QUANT:
-        tail = ctx // BS
-        slot = tl.load(rslot_ptr + b)
-        if (ctx % BS != 0) & (slot >= 0) & (tail >= start) & (tail < end):
-            kT = load_kv_tile(
-                rk_ptr, rk_ptr, rk_ptr, slot, hk, n[None, :], d[:, None], dmask[:, None],
-                s_rkp, s_rkt, s_rkh, 0, 0, 0, 0, 0, 1,
-            )  # fmt: skip
-            vt = load_kv_tile(
-                rv_ptr, rv_ptr, rv_ptr, slot, hk, n[:, None], d[None, :], dmask[None, :],
-                s_rvp, s_rvt, s_rvh, 0, 0, 0, 0, 0, 1,
-            )  # fmt: skip
-            pos = tail * BS + n
-            valid = (pos < ctx) & (pos >= ctx - window)
-            m_i, l_i, acc = online_softmax_step(q, kT, vt, valid[None, :], m_i, l_i, acc, qk_scale)
+        for i in tl.static_range(RES_PAGES):
+            j = ring0 + i
+            if (j >= start) & (j < end) & (j >= 0):
+                slot = tl.load(rslot_ptr + b * s_rsb + i)
+                pos = j * BS + n
+                valid = (pos < ctx) & (pos >= ctx - window)
+                if slot >= 0:  # the page is in the residual, in full precision
+                    kT = load_kv_tile(
+                        rk_ptr, rk_ptr, rk_ptr, slot, hk, n[None, :], d[:, None], dmask[:, None],
+                        s_rkp, s_rkt, s_rkh, 0, 0, 0, 0, 0, 1,
+                    )  # fmt: skip
+                    vt = load_kv_tile(
+                        rv_ptr, rv_ptr, rv_ptr, slot, hk, n[:, None], d[None, :], dmask[None, :],
+                        s_rvp, s_rvt, s_rvh, 0, 0, 0, 0, 0, 1,
+                    )  # fmt: skip
+                else:  # not in the ring (e.g. restored from a prefix cache): the pool page
+                    page = tl.load(bt_ptr + b * s_btb + j)
+                    kT = load_kv_tile(
+                        k_ptr, ks_ptr, kz_ptr, page, hk, n[None, :], d[:, None], dmask[:, None],
+                        s_kp, s_kt, s_kh, s_ksp, s_kst, s_ksh, s_ksd, FMT, K_DIV,
+                    )  # fmt: skip
+                    vt = load_kv_tile(
+                        v_ptr, vs_ptr, vz_ptr, page, hk, n[:, None], d[None, :], dmask[None, :],
+                        s_vp, s_vt, s_vh, s_vsp, s_vst, s_vsh, s_vsd, FMT, V_DIV,
+                    )  # fmt: skip
+                m_i, l_i, acc = online_softmax_step(
+                    q, kT, vt, valid[None, :], m_i, l_i, acc, qk_scale
+                )
     has = l_i > 0  # an empty split leaves l = 0: output 0, lse -1e30 (weight 0 in the merge)
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, -1e30)
@@ -265,6 +285,10 @@ def paged_decode_attention_triton(
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     k_args, v_args = kv_args(fmt, cache, "k"), kv_args(fmt, cache, "v")
+    if fmt in QUANT_FORMATS:
+        residual_slots = residual_page_slots(
+            residual_slots, context_lens, bs=bs, num_slots=residual_k.shape[0]
+        )  # (B, W)
     o_part = torch.empty((B, Hq, num_splits, D), dtype=torch.float32, device=q.device)
     lse = torch.empty((B, Hq, num_splits), dtype=torch.float32, device=q.device)
     block_d = max(16, triton.next_power_of_2(D))  # tl.dot needs K >= 16
@@ -285,6 +309,7 @@ def paged_decode_attention_triton(
         bt_ptr=block_tables,
         s_btb=block_tables.stride(0),
         ctx_ptr=context_lens,
+        s_rsb=residual_slots.stride(0) if fmt in QUANT_FORMATS else 0,
         o_ptr=o_part,
         lse_ptr=lse,
         qk_scale=scale * math.log2(math.e),
@@ -300,6 +325,7 @@ def paged_decode_attention_triton(
         GROUP=group,
         GP=max(16, triton.next_power_of_2(group)),
         NUM_SPLITS=num_splits,
+        RES_PAGES=residual_slots.shape[1] if fmt in QUANT_FORMATS else 1,
     )
     _merge_splits_kernel[(B, Hq)](
         o_ptr=o_part,

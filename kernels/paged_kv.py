@@ -5,10 +5,11 @@ the cache through this module, so a format's read side lives in one place.
 
 A layer's cache is the dict of typed views from ``PageLayout.views``: ``name -> (num_pages,
 *shape)``, strided (page stride = page_nbytes / itemsize). Quantized formats add the residual
-``(R, bs, Hkv, D)``: the full-precision tail pages of running requests. For a sequence with
-``ctx`` keys, pages ``j < ctx // bs`` are read from the pool; the partial page ``ctx // bs``
-(when ``ctx % bs != 0``) is read from the pool for float formats and from the sequence's
-residual slot for quantized ones.
+``(R, bs, Hkv, D)``: full-precision pages of running requests. Float formats read every
+page from the pool. Decode of a quantized format names, per sequence, the residual slots of
+its last W pages (``residual_page_slots``): a page with a slot is read wholly from it, every
+other page from the pool; the old 1-D form (one slot per sequence, read for the partial page
+``ctx // bs`` when ``ctx % bs != 0``) is the W = 1 case.
 """
 
 from __future__ import annotations
@@ -135,13 +136,50 @@ def check_seq_index(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     residual_slots: torch.Tensor | None,
+    residual_pages: bool = False,
 ) -> None:
     """The per-sequence index tensors of an attention kernel: block_tables (S, P) int64,
-    context_lens (S,) int32/int64 and, for quantized formats, residual_slots (S,) int64."""
+    context_lens (S,) int32/int64 and, for quantized formats, residual_slots (S,) int64 (or,
+    with ``residual_pages``, decode's (S,) or (S, W) form: ``residual_page_slots``)."""
     check_index(context_lens, "context_lens", (num_seqs,), (torch.int32, torch.int64))
     check_index(block_tables, "block_tables", (num_seqs, None))
     if fmt in QUANT_FORMATS:
-        check_index(residual_slots, "residual_slots", (num_seqs,))
+        two_d = residual_pages and residual_slots is not None and residual_slots.dim() == 2
+        check_index(residual_slots, "residual_slots", (num_seqs, None) if two_d else (num_seqs,))
+
+
+def residual_page_slots(
+    residual_slots: torch.Tensor | None,
+    context_lens: torch.Tensor,
+    *,
+    bs: int,
+    num_slots: int,
+) -> torch.Tensor:
+    """Decode's residual slots in their (B, W) int64 form, contiguous.
+
+    Entry ``[b, i]`` is the residual slot (first axis of ``residual_k/v``) that holds page
+    ``last_b - W + 1 + i`` of sequence b, ``last_b = (context_lens[b] - 1) // bs``: that page
+    is read wholly from the slot (positions ``>= context_lens[b]`` masked as usual). A
+    negative entry, or one naming a page index < 0, means the page is read from the pool.
+    A (B,) tensor (the W = 1 form before the ring) names the slot of the partial page
+    ``ctx // bs``, read only when ``ctx % bs != 0``: it becomes (B, 1), -1 where
+    ``ctx % bs == 0``. None: no sequence has a residual page. ``num_slots``: R; an entry
+    ``>= R`` is a ValueError (checked where the tensor is on the CPU, to keep a GPU step free
+    of a host sync)."""
+    B = context_lens.shape[0]
+    if residual_slots is None:
+        return torch.full((B, 1), -1, dtype=torch.int64, device=context_lens.device)
+    two_d = residual_slots.dim() == 2
+    check_index(residual_slots, "residual_slots", (B, None) if two_d else (B,))
+    if two_d and residual_slots.shape[1] < 1:
+        raise ValueError(f"residual_slots (B, W) needs W >= 1, got {tuple(residual_slots.shape)}")
+    if residual_slots.device.type == "cpu" and residual_slots.numel():
+        if int(residual_slots.max()) >= num_slots:
+            raise ValueError(f"residual_slots name a slot >= {num_slots} (residual_k/v's R)")
+    if two_d:
+        return residual_slots.contiguous()
+    tail = context_lens % bs != 0
+    return torch.where(tail, residual_slots, -1)[:, None].contiguous()
 
 
 class KVArgs(NamedTuple):
@@ -258,20 +296,26 @@ def gather_kv_torch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense K and V of each sequence: block_tables (B, P) -> (B, P * bs, Hkv, D) fp32.
 
-    Positions ``>= context_lens`` hold whatever their page holds (the null page's zeros for
-    padding): callers mask them."""
+    Quantized formats take each page that ``residual_slots`` ((B,) or (B, W), see
+    ``residual_page_slots``) names from its residual slot instead of the pool. Positions
+    ``>= context_lens`` hold whatever their page holds (the null page's zeros for padding):
+    callers mask them."""
     B, P = block_tables.shape
     k, v = read_pages_torch(fmt, cache, block_tables.reshape(-1))  # (B * P, bs, Hkv, D)
     _, bs, H, D = k.shape
     k, v = k.view(B, P, bs, H, D), v.view(B, P, bs, H, D)
     if fmt in QUANT_FORMATS and residual_slots is not None:
-        tail = (context_lens % bs != 0) & (residual_slots >= 0)  # (B,)
-        rows = tail.nonzero().squeeze(1)
+        slots = residual_page_slots(
+            residual_slots, context_lens, bs=bs, num_slots=residual_k.shape[0]
+        )  # (B, W)
+        W = slots.shape[1]
+        last = (context_lens.to(torch.int64) - 1).div(bs, rounding_mode="floor")  # (B,)
+        page = last[:, None] - (W - 1) + torch.arange(W, device=slots.device)  # (B, W)
+        rows, cols = ((slots >= 0) & (page >= 0)).nonzero(as_tuple=True)
         if rows.numel():
-            page = context_lens[rows] // bs
-            slots = residual_slots[rows]
-            k[rows, page] = residual_k[slots].float()
-            v[rows, page] = residual_v[slots].float()
+            pages, named = page[rows, cols], slots[rows, cols]
+            k[rows, pages] = residual_k[named].float()
+            v[rows, pages] = residual_v[named].float()
     return k.view(B, P * bs, H, D), v.view(B, P * bs, H, D)
 
 
