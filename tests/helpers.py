@@ -68,7 +68,12 @@ class RayHead:
     filelock lock operation, filelock's at-fork hook (which Ray's ``preexec_fn`` runs) holds
     the fork for up to 30 s and then ends the child before it becomes the raylet: "The
     current node timed out during startup", a GCS but no raylet. DEVELOPERS.md, "Ray in the
-    tests", has the evidence."""
+    tests", has the evidence.
+
+    Token auth is off (``RAY_AUTH_MODE=disabled`` while the head runs), as for
+    ``ray_autoscaling.OwnAutoscalingCluster``: a driver process keeps the auth mode it read,
+    so every Ray cluster one test process joins must use the same mode (a later
+    ``ray.init(address="local")`` in it, with the default token mode, fails to connect)."""
 
     def __init__(self, num_cpus: int = 4, object_store_memory: int = 150 * 2**20) -> None:
         self.num_cpus = num_cpus
@@ -145,7 +150,9 @@ class RayHead:
         return list(found.values())
 
     def stop(self, keep_logs: bool = False) -> None:
-        """End the head's processes (SIGTERM, SIGKILL after 10 s) and remove its temp dir."""
+        """End the head's processes and remove its temp dir. SIGTERM, then SIGKILL after 2 s:
+        a loaded GCS can take over 10 s to stop gracefully, and nothing of a test cluster
+        needs keeping (its object store's memory is freed with its processes)."""
         import os
         import shutil
 
@@ -157,15 +164,16 @@ class RayHead:
             os.environ["RAY_AUTH_MODE"] = self._old_auth_mode
         if self.temp_dir is None:
             return
-        for sig in ("terminate", "kill"):  # a worker may spawn during the first sweep
+        for grace in (2.0, 0.0):  # again: a worker may have spawned during the first sweep
             procs = self.processes()
             for p in procs:
                 with contextlib.suppress(psutil.NoSuchProcess):
-                    getattr(p, sig)()
-            _, alive = psutil.wait_procs(procs, timeout=10)
+                    p.terminate() if grace else p.kill()
+            _, alive = psutil.wait_procs(procs, timeout=grace)
             for p in alive:
                 with contextlib.suppress(psutil.NoSuchProcess):
                     p.kill()
+            psutil.wait_procs(alive, timeout=10)
         if not keep_logs:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
         self.temp_dir = None
