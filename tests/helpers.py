@@ -60,16 +60,132 @@ def wait_until(pred, timeout: float = 30.0, every: float = 0.1):
         time.sleep(every)
 
 
-RAY_START_ATTEMPTS = 2
+class RayHead:
+    """A Ray head node of its own for one test cluster, started by ``ray start`` in a process
+    of its own: on free ports, in a short temp dir of its own, stopped by finding exactly its
+    processes. Not ``ray.init(address="local")``: that forks Ray's daemons from the test
+    process, and when another thread of that (long-lived, many-threaded) process is inside a
+    filelock lock operation, filelock's at-fork hook (which Ray's ``preexec_fn`` runs) holds
+    the fork for up to 30 s and then ends the child before it becomes the raylet: "The
+    current node timed out during startup", a GCS but no raylet. DEVELOPERS.md, "Ray in the
+    tests", has the evidence.
+
+    Token auth is off (``RAY_AUTH_MODE=disabled`` while the head runs), as for
+    ``ray_autoscaling.OwnAutoscalingCluster``: a driver process keeps the auth mode it read,
+    so every Ray cluster one test process joins must use the same mode (a later
+    ``ray.init(address="local")`` in it, with the default token mode, fails to connect)."""
+
+    def __init__(self, num_cpus: int = 4, object_store_memory: int = 150 * 2**20) -> None:
+        self.num_cpus = num_cpus
+        self.object_store_memory = object_store_memory
+        self.temp_dir: str | None = None
+        self._old_auth_mode: str | None = None
+
+    def start(self) -> str:
+        """Start the head; its GCS address, for ``ray.init(address=...)``."""
+        import os
+        import subprocess
+        import sys
+        import tempfile
+        from pathlib import Path
+
+        import ray
+
+        # short: Ray's Unix socket paths live under it (at most 107 bytes)
+        self.temp_dir = tempfile.mkdtemp(prefix="kvt", dir="/tmp")
+        port = free_port()
+        cmd = [
+            str(Path(sys.executable).parent / "ray"),
+            "start",
+            "--head",
+            f"--port={port}",
+            f"--temp-dir={self.temp_dir}",
+            f"--num-cpus={self.num_cpus}",
+            f"--object-store-memory={self.object_store_memory}",
+            # every port Ray would otherwise take at a fixed default: several test
+            # clusters (other checkouts' included) run on this machine at once
+            f"--ray-client-server-port={free_port()}",
+            f"--dashboard-agent-listen-port={free_port()}",
+            f"--dashboard-agent-grpc-port={free_port()}",
+            f"--metrics-export-port={free_port()}",
+            f"--runtime-env-agent-port={free_port()}",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+        ]
+        # Ray's token auth: the head and this driver must agree; a loopback test cluster
+        env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+        env.pop("RAY_ADDRESS", None)
+        self._old_auth_mode = os.environ.get("RAY_AUTH_MODE")
+        os.environ["RAY_AUTH_MODE"] = "disabled"  # this driver's; stop() restores it
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+        if out.returncode != 0:
+            logs = self.temp_dir
+            self.stop(keep_logs=True)
+            raise RuntimeError(
+                f"ray start failed (rc {out.returncode}; its logs are in {logs}):\n"
+                f"{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+            )
+        ray._private.services.find_gcs_addresses.cache_clear()
+        return f"{ray.util.get_node_ip_address()}:{port}"
+
+    def processes(self) -> list:
+        """The head's processes (those naming its temp dir) and their descendants (the
+        workers, whose command line Ray rewrites)."""
+        import os
+
+        import psutil
+
+        if self.temp_dir is None:
+            return []
+        found: dict[int, psutil.Process] = {}
+        for p in psutil.process_iter(["pid", "cmdline"]):
+            try:
+                cmdline = p.info["cmdline"] or ()
+                if p.pid != os.getpid() and any(self.temp_dir in a for a in cmdline):
+                    found[p.pid] = p
+                    found.update((c.pid, c) for c in p.children(recursive=True))
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                pass
+        found.pop(os.getpid(), None)
+        return list(found.values())
+
+    def stop(self, keep_logs: bool = False) -> None:
+        """End the head's processes and remove its temp dir. SIGTERM, then SIGKILL after 2 s:
+        a loaded GCS can take over 10 s to stop gracefully, and nothing of a test cluster
+        needs keeping (its object store's memory is freed with its processes)."""
+        import os
+        import shutil
+
+        import psutil
+
+        if self._old_auth_mode is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = self._old_auth_mode
+        if self.temp_dir is None:
+            return
+        for grace in (2.0, 0.0):  # again: a worker may have spawned during the first sweep
+            procs = self.processes()
+            for p in procs:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.terminate() if grace else p.kill()
+            _, alive = psutil.wait_procs(procs, timeout=grace)
+            for p in alive:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.kill()
+            psutil.wait_procs(alive, timeout=10)
+        if not keep_logs:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+        self.temp_dir = None
 
 
 @contextlib.contextmanager
 def local_cluster(
     engine_args: dict, model: str = "smollm2-135m-instruct", workers: int = 2, **config
 ):
-    """A real local Ray cluster (its own namespace) running ``kvmesh serve``'s cluster on a
-    fixed free port, so a restarted router comes back where the client looks. ``config``:
-    more ClusterConfig fields (e.g. ``http_port=0``)."""
+    """A real local Ray cluster (a head of its own, ``RayHead``; its own namespace) running
+    ``kvmesh serve``'s cluster on a fixed free port, so a restarted router comes back where
+    the client looks. ``config``: more ClusterConfig fields (e.g. ``http_port=0``)."""
     import uuid
 
     import pytest
@@ -79,56 +195,33 @@ def local_cluster(
     except ImportError:  # never skip: a missing Ray is a broken set-up
         pytest.fail("ray is not installed: run `make setup` (or `pip install ray`)", pytrace=False)
 
-    import psutil  # installed with accelerate (a test dependency)
-
     from kvmesh.cluster.serve import Cluster, ClusterConfig
 
-    for attempt in range(RAY_START_ATTEMPTS):
-        before = {p.pid for p in psutil.Process().children(recursive=True)}
-        try:
-            ray.init(
-                address="local",
-                num_cpus=4,
-                include_dashboard=False,
-                object_store_memory=150 * 2**20,
-                namespace=f"kvmesh-test-{uuid.uuid4().hex[:6]}",
-            )
-            break
-        except Exception as e:
-            # Ray waits a fixed 30 s for its raylet to register with the GCS; on a loaded
-            # 2-core CI machine that start has timed out while the same module passed alone.
-            # It is Ray's start-up, not kvmesh: try once more, loudly, before failing.
-            if "timed out during startup" not in str(e) or attempt + 1 == RAY_START_ATTEMPTS:
-                raise
-            print(f"local_cluster: Ray's node start timed out ({e}); starting it again")
-            ray.shutdown()
-            # the failed start's GCS and raylet were spawned before Ray gave up, and
-            # ray.shutdown() does not know them: end them, or they compete with the retry
-            new = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
-            for p in new:
-                p.terminate()
-            _, alive = psutil.wait_procs(new, timeout=10)
-            for p in alive:
-                p.kill()
+    head = RayHead(num_cpus=4, object_store_memory=150 * 2**20)
     try:
-        cfg = ClusterConfig(
-            workers=workers,
-            model=model,
-            engine_args=engine_args,
-            host="127.0.0.1",
-            port=free_port(),
-            grace_s=2.0,
-            log_level="WARNING",
-            seed=0,
-            **config,
-        )
-        c = Cluster.start(cfg, timeout_s=300)
+        address = head.start()
+        ray.init(address=address, namespace=f"kvmesh-test-{uuid.uuid4().hex[:6]}")
         try:
-            yield c
+            cfg = ClusterConfig(
+                workers=workers,
+                model=model,
+                engine_args=engine_args,
+                host="127.0.0.1",
+                port=free_port(),
+                grace_s=2.0,
+                log_level="WARNING",
+                seed=0,
+                **config,
+            )
+            c = Cluster.start(cfg, timeout_s=300)
+            try:
+                yield c
+            finally:
+                c.shutdown(grace=0)
         finally:
-            c.shutdown(grace=0)
+            ray.shutdown()
     finally:
-        ray.shutdown()
+        head.stop()
 
 
 def restart_router(cluster, timeout: float = 120.0) -> bool:

@@ -496,7 +496,8 @@ def test_a_token_taken_before_a_late_failure_is_counted_like_the_output(smol_src
 def test_peer_tier_series_survive_a_closed_peer_and_show_it_down(smol_src, monkeypatch):
     """The exported peer counters are totals over every peer the worker fetched from: closing
     the least recently named one (there is room for MAX_PEER_STORES) takes nothing away; a
-    peer whose call failed shows as tier_up 0."""
+    peer whose call failed shows as tier_up 0. The fetch fault counters (a peer Fetch left
+    behind, a prefix fetch abandoned) are exported from the start and never go down."""
     from kvmesh.protos.security import ClusterIdentity
     from kvmesh.worker.engine import LLMEngine
 
@@ -513,16 +514,27 @@ def test_peer_tier_series_survive_a_closed_peer_and_show_it_down(smol_src, monke
 
     try:
         assert v("tier_up", tier="peer") is None  # no peer named yet
+        assert v("peer_fetches_left_behind_total") == 0  # the fault counters: from the start
+        assert v("prefix_fetches_abandoned_total") == 0
         first = off._peer_store("127.0.0.1:1")  # nothing listens there
         assert first.tiers[0].contains([b"\0" * 32]) == [False]  # refused: one fault
         first.tiers[0].metrics["grpc_bytes"] += 100
+        first.tiers[0].metrics["fetches_left_behind"] += 2  # as PeerTier._fetch counts them
+        with off._lock:  # as KVOffloader._abandon_if_stuck counts them
+            off.metrics["fetches_abandoned"] += 1
         assert v("tier_errors_total", tier="peer") == 1
         assert v("peer_transfer_bytes_total", transport="grpc") == 100
+        assert v("peer_fetches_left_behind_total") == 2
+        assert v("prefix_fetches_abandoned_total") == 1
         assert v("tier_up", tier="peer") == 0
-        off._peer_store("127.0.0.1:2")  # the first peer's store is closed
-        assert off.peer_stores() == [off._peer_store("127.0.0.1:2")]
+        second = off._peer_store("127.0.0.1:2")  # the first peer's store is closed
+        assert off.peer_stores() == [second]
         assert v("tier_errors_total", tier="peer") == 1
         assert v("peer_transfer_bytes_total", transport="grpc") == 100
+        assert v("peer_fetches_left_behind_total") == 2  # the closed peer's count stays
+        second.tiers[0].metrics["fetches_left_behind"] += 1
+        assert v("peer_fetches_left_behind_total") == 3
+        assert v("prefix_fetches_abandoned_total") == 1
         assert v("tier_up", tier="peer") == 1  # the peer named now has not failed
     finally:
         eng.close()
