@@ -18,7 +18,6 @@ engines in one process never collide; ``protos.metrics.serve_metrics`` puts one 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import weakref
 from collections.abc import Iterable, Sequence
@@ -214,7 +213,6 @@ class _EngineCollector(Collector):
         self._engine = weakref.ref(engine)
         self.names = list(labels)
         self.values = list(labels.values())
-        self._left_behind = _LeftBehindTotal()
 
     def describe(self):  # no describe-time collect: the engine may be busy on its thread
         return []
@@ -393,10 +391,12 @@ class _EngineCollector(Collector):
             "Peer Fetch calls still being read after their deadline and a cancel, left behind "
             "with their thread (their missing pages are recomputed).",
         )  # fmt: skip
-        peer_tiers = [t for t in (conn.store.tiers if conn.store is not None else ())
-                      if "fetches_left_behind" in getattr(t, "metrics", {})]  # fmt: skip
-        peer_tiers += [t for store in off.peer_stores() for t in store.tiers]
-        left.add_metric(v, self._left_behind.total(peer_tiers))
+        # the engine's own peer tiers (--peer), plus the offloader's per-request peer stores,
+        # closed ones included (peer_counters never decreases)
+        n = sum(getattr(t, "metrics", {}).get("fetches_left_behind", 0)
+                for t in (conn.store.tiers if conn.store is not None else ()))  # fmt: skip
+        n += (off.peer_counters() or {}).get("fetches_left_behind", 0)
+        left.add_metric(v, n)
         yield left
         abandoned = self._family(
             "counter", "prefix_fetches_abandoned",
@@ -406,31 +406,6 @@ class _EngineCollector(Collector):
         )  # fmt: skip
         abandoned.add_metric(v, spill["fetches_abandoned"])
         yield abandoned
-
-
-class _LeftBehindTotal:
-    """``fetches_left_behind`` summed over every peer tier a worker has had. The offloader
-    closes the store of a peer no request named lately (``MAX_PEER_STORES``) and does not
-    fold this count into its closed-peer totals, so each scrape remembers what it read per
-    tier and keeps a closed tier's last reading: the counter never goes down. (A fetch left
-    behind on a peer closed before the next scrape read it is not counted.) Any thread."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._seen: dict[int, tuple[weakref.ref, int]] = {}  # id(tier) -> (tier, last count)
-        self._gone = 0  # the last counts of tiers no longer present
-
-    def total(self, tiers: Sequence[object]) -> int:
-        live = {id(t): t for t in tiers}
-        with self._lock:
-            for key, (ref, n) in list(self._seen.items()):
-                t = live.get(key)
-                if t is None or ref() is not t:  # closed (or its id reused by a new tier)
-                    self._gone += n
-                    del self._seen[key]
-            for key, t in live.items():
-                self._seen[key] = (weakref.ref(t), t.metrics.get("fetches_left_behind", 0))
-            return self._gone + sum(n for _, n in self._seen.values())
 
 
 __all__ = ["EngineMetrics", "buckets_1_2_5"]

@@ -35,7 +35,7 @@ logger = logging.getLogger("kvmesh.offload")
 MAX_PEER_STORES = 32  # peers' connections kept open (least recently named closed first)
 # the peer tier's counters the metrics export (worker/metrics.py): faults, objects rejected
 # by the codec or on the wire, object bytes received per transport
-PEER_COUNTERS = ("errors", "corrupt", "data_plane_bytes", "grpc_bytes")
+PEER_COUNTERS = ("errors", "corrupt", "data_plane_bytes", "grpc_bytes", "fetches_left_behind")
 # a fetch still running this long after it started is abandoned (its request computes what
 # it lacks): every call it makes has its own deadline (a peer's ``timeout``, Redis's socket
 # timeouts), so only a call stuck past its own deadline gets here
@@ -443,6 +443,7 @@ def _peer_counts(store: TieredStore) -> dict[str, int]:
         "corrupt": counts["corrupt"],
         "data_plane_bytes": own.get("data_plane_bytes", 0),
         "grpc_bytes": own.get("grpc_bytes", 0),
+        "fetches_left_behind": own.get("fetches_left_behind", 0),
     }
 
 

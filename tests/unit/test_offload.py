@@ -159,9 +159,15 @@ def test_peer_counters_never_go_down_when_a_peer_store_is_closed(monkeypatch):
         first = off._peer_store("10.0.0.1:1")
         first.tiers[0].metrics.update(errors=3, corrupt=1, grpc_bytes=500, data_plane_bytes=70)
         second = off._peer_store("10.0.0.2:1")
-        second.tiers[0].metrics.update(errors=1, grpc_bytes=20)
+        second.tiers[0].metrics.update(errors=1, grpc_bytes=20, fetches_left_behind=2)
         before = off.peer_counters()
-        assert before == {"errors": 4, "corrupt": 1, "data_plane_bytes": 70, "grpc_bytes": 520}
+        assert before == {
+            "errors": 4,
+            "corrupt": 1,
+            "data_plane_bytes": 70,
+            "grpc_bytes": 520,
+            "fetches_left_behind": 2,
+        }
         assert off._peer_store("10.0.0.1:1") is first  # named again: now the most recent
         assert off.peer_counters() == before
         off._peer_store("10.0.0.3:1")  # a third peer: the least recently named (second) goes
