@@ -75,6 +75,7 @@ def test_resolve_dtype():
 def test_cache_config_defaults_and_frozen():
     c = CacheConfig()
     assert (c.block_size, c.kv_cache_dtype, c.enable_prefix_caching) == (16, "auto", True)
+    assert c.kv_residual_pages == 2
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.block_size = 32
 
@@ -87,6 +88,10 @@ def test_cache_config_defaults_and_frozen():
         ({"kv_cache_dtype": "int5"}, "kv_cache_dtype"),
         ({"num_pages": 1}, "num_pages"),
         ({"kv_cache_memory": 0}, "kv_cache_memory"),
+        ({"kv_residual_pages": 0}, "kv_residual_pages"),
+        ({"kv_residual_pages": 65}, "kv_residual_pages"),
+        ({"kv_residual_pages": 2.0}, "kv_residual_pages"),
+        ({"kv_residual_pages": True}, "kv_residual_pages"),
     ],
 )
 def test_cache_config_rejects(kwargs, match):
