@@ -26,12 +26,16 @@
   ``enable_gqa``) for T in ``--prefill-attn-tokens`` (512, 1,024, 2,048): torch's SDPA vs
   kvmesh's C flash kernel (``kernels.cpu_attention.prefill_attention_cpu``, the build of
   ``--flags``) interleaved, with GFLOP/s (the unmasked half only: 4 * Hq * D * T(T+1)/2),
-  the ratio SDPA time / C time, and the max abs difference between the two.
+  the ratio SDPA time / C time, and the max abs difference between the two;
+* ``prefill_ttft``: cold time to first token of a ``--prefill-tokens`` (2,048) prompt through
+  two engines (one chunk), one whose fresh prefill attention is pinned to SDPA and one pinned
+  to the C kernel (``KVMESH_PREFILL_ATTN``), taking turns for ``--engine-rounds`` rounds
+  (median), with the ratio and whether the first token agrees.
 
 Prints one JSON object on stdout.
 
     python bench/cpu_kernels.py [--parts gemm,bandwidth,decode,quantize,engine,prefill,
-        prefill_attn]
+        prefill_attn,prefill_ttft]
         [--threads 2]
 """
 
@@ -413,6 +417,46 @@ def bench_prefill_attn(rounds: int, lib, tokens, Hq=9, Hkv=3, D=64) -> dict:
     return out
 
 
+def bench_prefill_ttft(args) -> dict:
+    from kvmesh.kernels import autotune, prefill_tune
+    from kvmesh.worker import LLM, SamplingParams
+
+    text = (
+        Path(__file__).resolve().parents[1].parent / "shared/data/tinyshakespeare.txt"
+    ).read_text()
+    os.environ.pop("KVMESH_GEMM", None)  # the engine's default: auto over fp32 pages
+    autotune.reset_default_tuners()
+    n = args.prefill_tokens
+    llms = {}
+    for mode in ("sdpa", "c"):
+        os.environ["KVMESH_PREFILL_ATTN"] = mode
+        prefill_tune._tuner = None  # each engine's backends keep the tuner they were built with
+        llms[mode] = LLM(
+            "smollm2-135m-instruct", kv_cache_memory="160MiB", max_num_batched_tokens=n
+        )
+    os.environ.pop("KVMESH_PREFILL_ATTN")
+    prefill_tune._tuner = None
+    ids = llms["sdpa"].tokenizer.encode(text[len(text) // 2 :][: 16 * n])
+    prompt = ids[:n]
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    times: dict[str, list[float]] = {m: [] for m in llms}
+    first = {}
+    for _ in range(args.engine_rounds + 1):  # the first round warms both up, not kept
+        for m, llm in llms.items():
+            llm.reset_prefix_cache()
+            t0 = time.perf_counter()
+            first[m] = llm.generate([prompt], one)[0].token_ids
+            times[m].append(time.perf_counter() - t0)
+    med = {m: statistics.median(t[1:]) for m, t in times.items()}
+    return {
+        "tokens": n,
+        **{f"{m}_ttft_s": round(med[m], 3) for m in llms},
+        **{f"{m}_all_s": [round(t, 3) for t in times[m][1:]] for m in llms},
+        "c_vs_sdpa": round(med["sdpa"] / med["c"], 3),
+        "same_first_token": first["sdpa"] == first["c"],
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--parts", default="gemm,bandwidth,decode,quantize")
@@ -473,6 +517,8 @@ def main() -> None:
     if "prefill_attn" in parts:
         tokens = [int(x) for x in args.prefill_attn_tokens.split(",")]
         res["prefill_attn"] = bench_prefill_attn(args.rounds, lib, tokens)
+    if "prefill_ttft" in parts:
+        res["prefill_ttft"] = bench_prefill_ttft(args)
     res["loadavg_at_end"] = round(os.getloadavg()[0], 2)
     print(json.dumps(res, indent=1))
 
