@@ -1368,7 +1368,7 @@ static void pf_block(const float *q, const float *k, const float *v, float *out,
 #endif /* VEC_PATH */
 
 /* Returns 0, 1 (scratch allocation failed) or 2 (bad shape: Hq % Hkv, n > ctx, n < 0). bq,
- * bk: query tokens and keys per block (<= 0: the defaults 32 and 64; bk a multiple of the
+ * bk: query tokens and keys per block (<= 0: the defaults 64 and 64; bk a multiple of the
  * QK micro-tile's 64 (AVX-512) or 16 (AVX2) keys). force_scalar: the plain loop even on a
  * vector build (for tests and benchmarks). */
 int kvmesh_prefill_attention_f32(const float *q, const float *k, const float *v, float *out,
@@ -1377,7 +1377,7 @@ int kvmesh_prefill_attention_f32(const float *q, const float *k, const float *v,
                                  int num_threads) {
     if (n < 0 || ctx < n || Hkv < 1 || Hq % Hkv || D < 1) return 2;
     if (n == 0) return 0;
-    bq = bq > 0 ? bq : 32;
+    bq = bq > 0 ? bq : 64;
     bk = bk > 0 ? bk : 64;
 #if VEC_PATH
     if (!force_scalar && pf_vec_ok(D, bk)) {
