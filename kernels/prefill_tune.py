@@ -5,12 +5,14 @@ A fresh prefill chunk (nothing cached, no sliding window, float pages) runs caus
 over its own keys. ``kernels.cpu_attention.prefill_attention_cpu`` (the C kernel) and SDPA
 (``is_causal``, ``enable_gqa``) compute the same thing within float rounding (~1e-6); which
 is faster depends on the CPU, its vector width and the thread count. So the cpu attention
-backend asks a ``PrefillTuner`` per (Hq, Hkv, D, token bucket): the first fresh prefill of
-a bucket (the next power of two of its length, at least 16; buckets above ``MAX_TOKENS``
-share its measurement) times both on random inputs of the bucket's size, interleaved in
-rounds (``autotune``'s timer: median, 7 rounds or 3 once they took 0.25 s), and the C kernel
-is taken when it is at least ``MARGIN`` faster (a choice from timing noise would differ host
-to host for no gain). The choice is logged on one line and cached in memory and in
+backend asks a ``PrefillTuner`` per (Hq, Hkv, D, token bucket). At engine start
+(``TorchAttentionBackend.warm_up_prefill``: every bucket up to the step budget; else at the
+first fresh prefill of a bucket) a bucket (the next power of two of the length, at least
+16; buckets above ``MAX_TOKENS`` share its measurement) times both on random inputs of the
+bucket's size, interleaved in rounds (``autotune``'s timer: median, 7 rounds or 3 once
+they took 0.25 s); the C kernel is taken when it is at least ``MARGIN`` faster (a choice
+from timing noise would differ host to host for no gain). The choice is logged on one line
+and cached in memory and in
 ``$KVMESH_AUTOTUNE_DIR/prefill_attention.json``, keyed like the GEMM cache
 (``autotune.machine_key``: CPU model and flags, torch version, threads, ISA environment)
 plus the kernel library's build (its file name hashes the sources, flags and CPU): an entry

@@ -140,3 +140,32 @@ def test_backend_runs_the_chosen_kernel(lib, monkeypatch, window):
     # a window builds a mask: SDPA with it, never the C kernel
     assert calls == ([] if window else [(37, 9, 64), (70, 9, 64)])
     torch.testing.assert_close(outs["c"], outs["sdpa"], rtol=0, atol=2e-5)
+
+
+def test_engine_start_measures_every_bucket_once(lib):
+    """warm_up_prefill (called by the engine at start) chooses each bucket up to the step
+    budget, so no request waits on a measurement; nothing for bf16, int4 pages or a window."""
+    be = TorchAttentionBackend(native=True)
+    timer = FakeTimer()
+    be._prefill_tuner = PrefillTuner(lib, timer=timer)
+    be.warm_up_prefill(300, 9, 3, 64, torch.float32, "fp32")
+    assert timer.calls == 6  # 16, 32, 64, 128, 256, 512
+    be.warm_up_prefill(300, 9, 3, 64, torch.float32, "bf16")  # float pages: cached, no timing
+    assert timer.calls == 6
+    for dtype, fmt, window in ((torch.bfloat16, "fp32", None), (torch.float32, "int4", None),
+                               (torch.float32, "fp32", 64)):  # fmt: skip
+        b = TorchAttentionBackend(sliding_window=window, native=True)
+        t = FakeTimer()
+        b._prefill_tuner = PrefillTuner(lib, timer=t)
+        b.warm_up_prefill(300, 9, 3, 64, dtype, fmt)
+        assert t.calls == 0
+
+
+def test_engine_calls_the_prefill_warm_up(smol_src, monkeypatch):
+    seen = []
+    monkeypatch.setattr(TorchAttentionBackend, "warm_up_prefill", lambda self, *a: seen.append(a))
+    monkeypatch.setenv("KVMESH_GEMM", "linear")  # no GEMM measurement: not what is tested
+    from kvmesh.worker import LLM
+
+    LLM("smollm2-135m-instruct", kv_cache_memory="16MiB", max_num_batched_tokens=64)
+    assert seen == [(64, 9, 3, 64, torch.float32, "fp32")]

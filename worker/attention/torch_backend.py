@@ -111,6 +111,24 @@ class TorchAttentionBackend(AttentionBackend):
         comps = {name: t.index_select(0, pages) for name, t in cache.views.items()}
         return dequantize_pages(cache.cache_format, comps, dtype)
 
+    def warm_up_prefill(self, max_tokens: int, Hq: int, Hkv: int, D: int, dtype, fmt: str):
+        """At engine start: choose SDPA or C for every token bucket a fresh prefill chunk can
+        have (up to the step budget), so no request waits on that measurement. Nothing to
+        choose without the C kernels, for another dtype, a quantized cache or a window."""
+        from kvmesh.kernels.page_format import QUANT_FORMATS
+        from kvmesh.kernels.prefill_tune import MIN_TOKENS, token_bucket
+
+        if self._prefill_tuner is None or dtype != torch.float32 or fmt in QUANT_FORMATS:
+            return
+        if self.sliding_window is not None:
+            return
+        n = MIN_TOKENS
+        while True:
+            self._prefill_tuner.use_c(n, Hq, Hkv, D)
+            if n >= token_bucket(max_tokens):
+                return
+            n *= 2
+
     def _fresh_in_c(self, native: bool, mask, q, n: int, Hkv: int) -> bool:
         """A fresh causal chunk (no window) in fp32 runs the C kernel where it was measured
         faster than SDPA on this machine (``kernels.prefill_tune``)."""
