@@ -1368,16 +1368,19 @@ static void pf_block(const float *q, const float *k, const float *v, float *out,
 #endif /* VEC_PATH */
 
 /* Returns 0, 1 (scratch allocation failed) or 2 (bad shape: Hq % Hkv, n > ctx, n < 0). bq,
- * bk: query tokens and keys per block (<= 0: the defaults 64 and 64; bk a multiple of the
- * QK micro-tile's 64 (AVX-512) or 16 (AVX2) keys). force_scalar: the plain loop even on a
- * vector build (for tests and benchmarks). */
+ * bk: query tokens and keys per block (<= 0: the defaults, 64 tokens (fewer for G > 3) and
+ * 64 keys; a bk that is not a multiple of the QK micro-tile's 64 (AVX-512) or 16 (AVX2)
+ * keys runs the scalar loop). force_scalar: the plain loop even on a vector build (tests,
+ * benchmarks). */
 int kvmesh_prefill_attention_f32(const float *q, const float *k, const float *v, float *out,
                                  int64_t n, int64_t ctx, int64_t Hq, int64_t Hkv, int64_t D,
                                  float scale, int64_t bq, int64_t bk, int force_scalar,
                                  int num_threads) {
     if (n < 0 || ctx < n || Hkv < 1 || Hq % Hkv || D < 1) return 2;
     if (n == 0) return 0;
-    bq = bq > 0 ? bq : 64;
+    /* 64 tokens (192 rows at G = 3); fewer for large groups, so a block's q, O and S stay
+     * within ~half of a 1 MiB L2 (G = 8, D = 128: 24 tokens, 192 rows, ~250 KB) */
+    if (bq <= 0) bq = Hq / Hkv <= 3 ? 64 : (192 / (Hq / Hkv) > 16 ? 192 / (Hq / Hkv) : 16);
     bk = bk > 0 ? bk : 64;
 #if VEC_PATH
     if (!force_scalar && pf_vec_ok(D, bk)) {

@@ -1,9 +1,10 @@
 """The C causal prefill kernel (``kvmesh_prefill_attention_f32`` in kernels/cpu_attention.c)
 against its torch twin, SDPA, computed in float64: every build this host runs (native,
-AVX2 where the CPU has it, portable), odd lengths, later chunks (ctx > n), G = 1 and 3,
+AVX2 where the CPU has it, portable), odd lengths, later chunks (ctx > n), G = 1, 3 and 8,
 D = 64 and 128, block sizes that do not divide the lengths, and the scalar loop forced on a
-vector build. Bound: 2e-5 absolute on unit-normal inputs (measured ~1.3e-6); with scores of ~+-100
-(q x 30) twice SDPA's own fp32 error, as fp32 rounding of the scores then dominates."""
+vector build. Bound: 2e-5 absolute on unit-normal inputs (measured ~1.3e-6); with scores
+of ~+-100 (q x 30) twice SDPA's own fp32 error, as fp32 rounding of the scores then
+dominates."""
 
 import pytest
 import torch
@@ -53,6 +54,7 @@ SHAPES = [  # (n, ctx, Hq, Hkv, D)
     (100, 165, 9, 3, 64),  # a later chunk: 65 cached keys
     (64, 64, 4, 4, 128),  # G = 1, D = 128
     (83, 90, 6, 2, 128),  # G = 3, D = 128, ctx > n
+    (77, 77, 8, 1, 64),  # G = 8: fewer query tokens per block by default
     (1, 5, 3, 1, 64),  # one query
     (3, 3, 2, 2, 40),  # D off the vector width: the scalar loop
 ]
