@@ -1232,15 +1232,16 @@ static inline VF pf_exp2(VF x) {
 
 /* s[i][0 .. ncol) = qp[i] . kt[:, col] for mr rows, ncol a multiple of PF_KT */
 static inline __attribute__((always_inline)) void pf_qk(const float *qp, int64_t D,
-                                                        const float *kt, int64_t bk, float *s,
-                                                        int64_t ncol, const int mr) {
+                                                        const float *kt, int64_t ldk,
+                                                        int64_t bk, float *s, int64_t ncol,
+                                                        const int mr) {
     for (int64_t c0 = 0; c0 < ncol; c0 += PF_KT) {
         VF acc[PF_MR][PF_NV];
         for (int i = 0; i < mr; i++)
             for (int c = 0; c < PF_NV; c++) acc[i][c] = VZERO();
         for (int64_t d = 0; d < D; d++) {
             VF kv[PF_NV];
-            for (int c = 0; c < PF_NV; c++) kv[c] = VLOAD(kt + d * bk + c0 + c * VW);
+            for (int c = 0; c < PF_NV; c++) kv[c] = VLOAD(kt + d * ldk + c0 + c * VW);
             for (int i = 0; i < mr; i++) {
                 const VF qb = VSET1(qp[i * D + d]);
                 for (int c = 0; c < PF_NV; c++) acc[i][c] = VFMA(qb, kv[c], acc[i][c]);
@@ -1289,14 +1290,15 @@ static inline int pf_vec_ok(int64_t D, int64_t bk) {
     return D % (PF_NVD * VW) == 0 && D <= 256 && bk % PF_KT == 0;
 }
 
-/* One work item: KV head h, query tokens [t0, t1). Scratch: qp, o (R x D), s (R x bk),
- * kt (D x bk), m, l, alpha (R), R = (t1 - t0) * G. */
-static void pf_block(const float *q, const float *k, const float *v, float *out, int64_t n,
-                     int64_t ctx, int64_t Hq, int64_t Hkv, int64_t D, float qscale, int64_t h,
-                     int64_t t0, int64_t t1, int64_t bk, float *work) {
+/* One work item: KV head h, query tokens [t0, t1). ktr: the head's keys transposed, (D,
+ * ldk), zero past ctx. Scratch: qp, o (R x D), s (R x bk), m, l, alpha (R), R = (t1 - t0)
+ * x G. */
+static void pf_block(const float *q, const float *ktr, int64_t ldk, const float *v, float *out,
+                     int64_t n, int64_t ctx, int64_t Hq, int64_t Hkv, int64_t D, float qscale,
+                     int64_t h, int64_t t0, int64_t t1, int64_t bk, float *work) {
     const int64_t G = Hq / Hkv, R = (t1 - t0) * G, off = ctx - n;
-    float *qp = work, *o = qp + R * D, *s = o + R * D, *kt = s + R * bk;
-    float *m = kt + D * bk, *l = m + R, *alpha = l + R;
+    float *qp = work, *o = qp + R * D, *s = o + R * D;
+    float *m = s + R * bk, *l = m + R, *alpha = l + R;
     for (int64_t r = 0; r < R; r++) {
         const float *src = q + ((t0 + r / G) * Hq + h * G + r % G) * D;
         for (int64_t d = 0; d < D; d++) qp[r * D + d] = src[d] * qscale;
@@ -1309,12 +1311,7 @@ static void pf_block(const float *q, const float *k, const float *v, float *out,
     for (int64_t j0 = 0; j0 <= last; j0 += bk) {
         const int64_t nkb = (ctx - j0 < bk ? ctx - j0 : bk); /* keys in this block */
         const int64_t full = j0 + nkb - 1 <= off + t0;      /* no row masks a key of it */
-        for (int64_t jj = 0; jj < nkb; jj++) {
-            const float *kr = k + ((j0 + jj) * Hkv + h) * D;
-            for (int64_t d = 0; d < D; d++) kt[d * bk + jj] = kr[d];
-        }
-        for (int64_t jj = nkb; jj < bk; jj++)
-            for (int64_t d = 0; d < D; d++) kt[d * bk + jj] = 0.0f;
+        const float *kt = ktr + j0;
         for (int64_t r0 = 0; r0 < R; r0 += PF_MR) {
             const int mr = (int)(R - r0 < PF_MR ? R - r0 : PF_MR);
             /* the keys any row of this group sees: up to its last row's position */
@@ -1322,7 +1319,7 @@ static void pf_block(const float *q, const float *k, const float *v, float *out,
             lim = lim < 0 ? 0 : (lim > nkb ? nkb : lim);
             if (!lim) continue;
             const int64_t ncol = (lim + PF_KT - 1) / PF_KT * PF_KT;
-#define PF_QK(MR) pf_qk(qp + r0 * D, D, kt, bk, s + r0 * bk, ncol, MR)
+#define PF_QK(MR) pf_qk(qp + r0 * D, D, kt, ldk, bk, s + r0 * bk, ncol, MR)
             PF_DISPATCH(mr, PF_QK)
 #undef PF_QK
             /* online softmax per row over its visible keys [0, lim_r); p = 0 beyond, up to
@@ -1386,11 +1383,23 @@ int kvmesh_prefill_attention_f32(const float *q, const float *k, const float *v,
     if (!force_scalar && pf_vec_ok(D, bk)) {
         const int64_t G = Hq / Hkv, nqb = (n + bq - 1) / bq, items = Hkv * nqb;
         const int64_t R = bq * G;
-        const int64_t floats = 2 * R * D + R * bk + D * bk + 3 * R + 16;
+        const int64_t floats = 2 * R * D + R * bk + 3 * R + 16;
         const float qscale = scale * PF_LOG2E;
+        /* K transposed once per KV head, (Hkv, D, ldk), zero past ctx (a key block reads up
+         * to bk); +16 floats so rows d, d + 1 do not alias one L1 set at power-of-two ctx */
+        const int64_t ldk = (ctx + bk - 1) / bk * bk + 16;
+        float *ktr = (float *)aligned_alloc(64, (sizeof(float) * Hkv * D * ldk + 63) / 64 * 64);
+        if (!ktr) return 1;
         int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (items > 1 && n * ctx * Hq >= 65536)
         {
+#pragma omp for schedule(static)
+            for (int64_t hd = 0; hd < Hkv * D; hd++) {
+                const int64_t h = hd / D, d = hd % D;
+                float *row = ktr + hd * ldk;
+                for (int64_t j = 0; j < ctx; j++) row[j] = k[(j * Hkv + h) * D + d];
+                for (int64_t j = ctx; j < ldk; j++) row[j] = 0.0f;
+            }
             float *work = (float *)aligned_alloc(64, (sizeof(float) * floats + 63) / 64 * 64);
             if (!work) {
 #pragma omp atomic write
@@ -1402,10 +1411,12 @@ int kvmesh_prefill_attention_f32(const float *q, const float *k, const float *v,
                 if (!work) continue;
                 const int64_t qb = nqb - 1 - i / Hkv, h = i % Hkv;
                 const int64_t t0 = qb * bq, t1 = t0 + bq < n ? t0 + bq : n;
-                pf_block(q, k, v, out, n, ctx, Hq, Hkv, D, qscale, h, t0, t1, bk, work);
+                pf_block(q, ktr + h * D * ldk, ldk, v, out, n, ctx, Hq, Hkv, D, qscale, h, t0,
+                         t1, bk, work);
             }
             free(work);
         }
+        free(ktr);
         return failed;
     }
 #endif
