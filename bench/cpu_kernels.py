@@ -22,11 +22,22 @@
   prefill chunk size of ``--prefill-chunks`` (engines taking turns, ``--engine-rounds``), the
   GEMM each chunk runs, ``F.linear`` vs oneDNN at 512 and 2,048 rows (the tuner measures
   prefill sizes once, at ``autotune.prefill_tune_rows``), and a profile's GEMM / attention
-  / rest split of one prefill.
+  / rest split of one prefill;
+* ``prefill_attn``: causal prefill attention of one layer at the engine's exact call (SmolLM2:
+  q (1, 9, T, 64), k/v (1, 3, T, 64) fp32 views of the token-major tensors, ``is_causal``,
+  ``enable_gqa``) for T in ``--prefill-attn-tokens`` (512, 1,024, 2,048): torch's SDPA vs
+  kvmesh's C flash kernel (``kernels.cpu_attention.prefill_attention_cpu``, the build of
+  ``--flags``) interleaved, with GFLOP/s (the unmasked half only: 4 * Hq * D * T(T+1)/2),
+  the ratio SDPA time / C time, and the max abs difference between the two;
+* ``prefill_ttft``: cold time to first token of a ``--prefill-tokens`` (2,048) prompt through
+  two engines (one chunk), one whose fresh prefill attention is pinned to SDPA and one pinned
+  to the C kernel (``KVMESH_PREFILL_ATTN``), taking turns for ``--engine-rounds`` rounds
+  (median), with the ratio and whether the first token agrees.
 
 Prints one JSON object on stdout.
 
-    python bench/cpu_kernels.py [--parts gemm,bandwidth,decode,quantize,engine,prefill]
+    python bench/cpu_kernels.py [--parts gemm,bandwidth,decode,quantize,engine,prefill,
+        prefill_attn,prefill_ttft]
         [--threads 2]
 """
 
@@ -371,6 +382,83 @@ def bench_prefill(args) -> dict:
     return res
 
 
+def bench_prefill_attn(rounds: int, lib, tokens, Hq=9, Hkv=3, D=64) -> dict:
+    import torch.nn.functional as F
+
+    from kvmesh.kernels.cpu_attention import prefill_attention_cpu
+
+    out = {}
+    for T in tokens:
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(T, Hq, D, generator=g)  # token-major, as the model hands them over
+        k, v = torch.randn(T, Hkv, D, generator=g), torch.randn(T, Hkv, D, generator=g)
+        o = torch.empty_like(q)
+        qq, kk, vv = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        scale = D**-0.5
+
+        def sdpa(qq=qq, kk=kk, vv=vv, o=o, scale=scale):
+            r = F.scaled_dot_product_attention(
+                qq, kk, vv, is_causal=True, scale=scale, enable_gqa=True
+            )
+            o.copy_(r[0].transpose(0, 1))  # the engine's copy back to token-major
+
+        def c(q=q, k=k, v=v, o=o, scale=scale):
+            prefill_attention_cpu(q, k, v, scale, out=o, library=lib)
+
+        t = interleaved({"sdpa": sdpa, "c": c}, rounds)
+        sdpa()
+        ref = o.clone()
+        c()
+        flop = 4 * Hq * D * T * (T + 1) / 2
+        out[str(T)] = {
+            **{f"{n}_ms": round(x * 1e3, 2) for n, x in t.items()},
+            **{f"{n}_gflops": round(flop / x / 1e9, 1) for n, x in t.items()},
+            "c_vs_sdpa": round(t["sdpa"] / t["c"], 2),
+            "max_abs_diff": float((o - ref).abs().max()),
+        }
+    return out
+
+
+def bench_prefill_ttft(args) -> dict:
+    from kvmesh.kernels import autotune, prefill_tune
+    from kvmesh.worker import LLM, SamplingParams
+
+    text = (
+        Path(__file__).resolve().parents[1].parent / "shared/data/tinyshakespeare.txt"
+    ).read_text()
+    os.environ.pop("KVMESH_GEMM", None)  # the engine's default: auto over fp32 pages
+    autotune.reset_default_tuners()
+    n = args.prefill_tokens
+    llms = {}
+    for mode in ("sdpa", "c"):
+        os.environ["KVMESH_PREFILL_ATTN"] = mode
+        prefill_tune._tuner = None  # each engine's backends keep the tuner they were built with
+        llms[mode] = LLM(
+            "smollm2-135m-instruct", kv_cache_memory="160MiB", max_num_batched_tokens=n
+        )
+    os.environ.pop("KVMESH_PREFILL_ATTN")
+    prefill_tune._tuner = None
+    ids = llms["sdpa"].tokenizer.encode(text[len(text) // 2 :][: 16 * n])
+    prompt = ids[:n]
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    times: dict[str, list[float]] = {m: [] for m in llms}
+    first = {}
+    for _ in range(args.engine_rounds + 1):  # the first round warms both up, not kept
+        for m, llm in llms.items():
+            llm.reset_prefix_cache()
+            t0 = time.perf_counter()
+            first[m] = llm.generate([prompt], one)[0].token_ids
+            times[m].append(time.perf_counter() - t0)
+    med = {m: statistics.median(t[1:]) for m, t in times.items()}
+    return {
+        "tokens": n,
+        **{f"{m}_ttft_s": round(med[m], 3) for m in llms},
+        **{f"{m}_all_s": [round(t, 3) for t in times[m][1:]] for m in llms},
+        "c_vs_sdpa": round(med["sdpa"] / med["c"], 3),
+        "same_first_token": first["sdpa"] == first["c"],
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--parts", default="gemm,bandwidth,decode,quantize")
@@ -393,6 +481,7 @@ def main() -> None:
     ap.add_argument("--engine-rounds", type=int, default=2)
     ap.add_argument("--prefill-chunks", default="512,1024,2048", help="prefill: chunk sizes")
     ap.add_argument("--prefill-tokens", type=int, default=2048, help="prefill: prompt tokens")
+    ap.add_argument("--prefill-attn-tokens", default="512,1024,2048", help="prefill_attn: T")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -427,6 +516,11 @@ def main() -> None:
         res["engine"] = bench_engine(args)
     if "prefill" in parts:
         res["prefill"] = bench_prefill(args)
+    if "prefill_attn" in parts:
+        tokens = [int(x) for x in args.prefill_attn_tokens.split(",")]
+        res["prefill_attn"] = bench_prefill_attn(args.rounds, lib, tokens)
+    if "prefill_ttft" in parts:
+        res["prefill_ttft"] = bench_prefill_ttft(args)
     res["loadavg_at_end"] = round(os.getloadavg()[0], 2)
     print(json.dumps(res, indent=1))
 

@@ -1122,3 +1122,331 @@ int kvmesh_hadamard_f32(const float *x, float *out, int64_t n, int64_t D, int64_
     }
     return 0;
 }
+
+/* ------------------------------------------------------------------------------------------
+ * Causal prefill attention (flash style) over contiguous, token-major fp32 Q/K/V:
+ *   q, out (n, Hq, D); k, v (ctx, Hkv, D); query t sits at position ctx - n + t and sees the
+ *   keys at positions <= its own (the fresh prefill is ctx == n; a later chunk whose K/V are
+ *   contiguous has ctx > n). Query head g reads KV head g / G (G = Hq / Hkv), as SDPA's
+ *   enable_gqa does. Its torch twin is SDPA (is_causal / a bottom-right causal mask).
+ *
+ * A work item is (KV head, block of bq query tokens): its rows are the bq tokens x G query
+ * heads of that KV head, so each K/V block is loaded once for the whole group. Per key block
+ * of bk keys: S = Q K^T by a register-blocked micro-kernel (PF_MR rows x PF_NV vectors of
+ * keys, K packed transposed so a row's q[d] is broadcast against 16 (8) keys' d-th
+ * component), an online softmax in base 2 (q is pre-scaled by scale * log2(e); exp2 by a
+ * degree-7 polynomial, relative error ~1e-7, exactly 0 below 2^-126), then O += P V by a
+ * second micro-kernel (PF_MR rows x PF_NVD vectors of O held in registers across the keys).
+ * Key blocks past a block's last query are never visited; inside the diagonal block a group
+ * of rows only computes and sums the keys it can see. Items are handed out largest first
+ * (schedule dynamic), which balances the triangle's uneven cost over the threads. The scalar
+ * build (or D off the vector width) runs a plain two-pass loop per query row.
+ * ---------------------------------------------------------------------------------------- */
+#define PF_LOG2E 1.4426950408889634f
+
+static int pf_scalar(const float *q, const float *k, const float *v, float *out, int64_t n,
+                     int64_t ctx, int64_t Hq, int64_t Hkv, int64_t D, float scale,
+                     int num_threads) {
+    const int64_t G = Hq / Hkv;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (n * ctx * Hq >= 65536)
+    {
+        float *s = (float *)malloc(sizeof(float) * (ctx > 0 ? ctx : 1));
+        if (!s) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 16)
+        for (int64_t i = 0; i < n * Hq; i++) {
+            if (!s) continue;
+            const int64_t t = (n - 1) - i / Hq, g = i % Hq, h = g / G;
+            const int64_t nk = ctx - n + t + 1; /* keys 0 .. pos */
+            const float *qr = q + (t * Hq + g) * D;
+            float m = -INFINITY;
+            for (int64_t j = 0; j < nk; j++) {
+                const float *kr = k + (j * Hkv + h) * D;
+                float dot = 0.0f;
+                for (int64_t d = 0; d < D; d++) dot += qr[d] * kr[d];
+                s[j] = dot * scale;
+                m = s[j] > m ? s[j] : m;
+            }
+            float l = 0.0f;
+            for (int64_t j = 0; j < nk; j++) {
+                s[j] = expf(s[j] - m);
+                l += s[j];
+            }
+            float *o = out + (t * Hq + g) * D;
+            for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+            for (int64_t j = 0; j < nk; j++) {
+                const float *vr = v + (j * Hkv + h) * D, p = s[j];
+                for (int64_t d = 0; d < D; d++) o[d] += p * vr[d];
+            }
+            const float inv = 1.0f / l;
+            for (int64_t d = 0; d < D; d++) o[d] *= inv;
+        }
+        free(s);
+    }
+    return failed;
+}
+
+#if VEC_PATH
+#define PF_MR 6 /* query rows per micro-tile, both kernels */
+#if VEC_PATH == 512
+#define PF_NV 4  /* QK^T: 4 x 16 keys per micro-tile (24 accumulators) */
+#define PF_NVD 4 /* PV: 4 x 16 dims of O per micro-tile (24 accumulators) */
+#define VZERO _mm512_setzero_ps
+#define VMAXV _mm512_max_ps
+#define VSUB _mm512_sub_ps
+static inline VF pf_keep_lt(VF x, int64_t lim, VF fill) { /* lanes >= lim -> fill */
+    const __mmask16 m = lim >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (lim > 0 ? lim : 0)) - 1);
+    return _mm512_mask_blend_ps(m, fill, x);
+}
+static inline float pf_hmax(VF x) { return _mm512_reduce_max_ps(x); }
+static inline VF pf_exp2(VF x) { /* 2^x for x <= 0; 0 below -126 (and for -inf) */
+    const __mmask16 ok = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_GE_OQ);
+    const VF xc = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+    const VF nf = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const VF f = _mm512_sub_ps(xc, nf);
+    VF p = _mm512_set1_ps(1.525273380405984e-05f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381606e-04f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-03f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-02f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265069591007e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(
+        _mm512_add_epi32(_mm512_cvtps_epi32(nf), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mov_ps(ok, _mm512_mul_ps(p, _mm512_castsi512_ps(e)));
+}
+#else
+#define PF_NV 2  /* QK^T: 2 x 8 keys (12 accumulators of 16 registers) */
+#define PF_NVD 2 /* PV: 2 x 8 dims of O */
+#define VZERO _mm256_setzero_ps
+#define VMAXV _mm256_max_ps
+#define VSUB _mm256_sub_ps
+static inline VF pf_keep_lt(VF x, int64_t lim, VF fill) {
+    const __m256 iota = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 m = _mm256_cmp_ps(iota, _mm256_set1_ps((float)(lim > 8 ? 8 : lim)), _CMP_LT_OQ);
+    return _mm256_blendv_ps(fill, x, m);
+}
+static inline float pf_hmax(VF x) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+static inline VF pf_exp2(VF x) {
+    const __m256 ok = _mm256_cmp_ps(x, _mm256_set1_ps(-126.0f), _CMP_GE_OQ);
+    const VF xc = _mm256_max_ps(x, _mm256_set1_ps(-126.0f));
+    const VF nf = _mm256_round_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const VF f = _mm256_sub_ps(xc, nf);
+    VF p = _mm256_set1_ps(1.525273380405984e-05f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530393381606e-04f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-03f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618129107628477e-03f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550410866482158e-02f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402265069591007e-01f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931471805599453e-01f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(nf), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), ok);
+}
+#endif
+#define PF_KT (PF_NV * VW) /* keys per QK micro-tile */
+
+/* s[i][0 .. ncol) = qp[i] . kt[:, col] for mr rows, ncol a multiple of PF_KT */
+static inline __attribute__((always_inline)) void pf_qk(const float *qp, int64_t D,
+                                                        const float *kt, int64_t ldk,
+                                                        int64_t bk, float *s, int64_t ncol,
+                                                        const int mr) {
+    for (int64_t c0 = 0; c0 < ncol; c0 += PF_KT) {
+        VF acc[PF_MR][PF_NV];
+        for (int i = 0; i < mr; i++)
+            for (int c = 0; c < PF_NV; c++) acc[i][c] = VZERO();
+        for (int64_t d = 0; d < D; d++) {
+            VF kv[PF_NV];
+            for (int c = 0; c < PF_NV; c++) kv[c] = VLOAD(kt + d * ldk + c0 + c * VW);
+            for (int i = 0; i < mr; i++) {
+                const VF qb = VSET1(qp[i * D + d]);
+                for (int c = 0; c < PF_NV; c++) acc[i][c] = VFMA(qb, kv[c], acc[i][c]);
+            }
+        }
+        for (int i = 0; i < mr; i++)
+            for (int c = 0; c < PF_NV; c++) VSTORE(s + i * bk + c0 + c * VW, acc[i][c]);
+    }
+}
+
+/* o[i][:] = o[i][:] * alpha[i] + sum_{j < jn} p[i][j] * v[j][:] for mr rows */
+static inline __attribute__((always_inline)) void pf_pv(const float *p, int64_t bk,
+                                                        const float *vb, int64_t vstride,
+                                                        int64_t jn, float *o, int64_t D,
+                                                        const float *alpha, const int mr) {
+    for (int64_t d0 = 0; d0 < D; d0 += PF_NVD * VW) {
+        VF acc[PF_MR][PF_NVD];
+        for (int i = 0; i < mr; i++) {
+            const VF a = VSET1(alpha[i]);
+            for (int c = 0; c < PF_NVD; c++) acc[i][c] = VMUL(VLOAD(o + i * D + d0 + c * VW), a);
+        }
+        for (int64_t j = 0; j < jn; j++) {
+            VF vv[PF_NVD];
+            for (int c = 0; c < PF_NVD; c++) vv[c] = VLOAD(vb + j * vstride + d0 + c * VW);
+            for (int i = 0; i < mr; i++) {
+                const VF pb = VSET1(p[i * bk + j]);
+                for (int c = 0; c < PF_NVD; c++) acc[i][c] = VFMA(pb, vv[c], acc[i][c]);
+            }
+        }
+        for (int i = 0; i < mr; i++)
+            for (int c = 0; c < PF_NVD; c++) VSTORE(o + i * D + d0 + c * VW, acc[i][c]);
+    }
+}
+
+#define PF_DISPATCH(mr, call_with_mr)                                                          \
+    switch (mr) {                                                                              \
+    case 6: call_with_mr(6); break;                                                            \
+    case 5: call_with_mr(5); break;                                                            \
+    case 4: call_with_mr(4); break;                                                            \
+    case 3: call_with_mr(3); break;                                                            \
+    case 2: call_with_mr(2); break;                                                            \
+    default: call_with_mr(1); break;                                                           \
+    }
+
+static inline int pf_vec_ok(int64_t D, int64_t bk) {
+    return D % (PF_NVD * VW) == 0 && D <= 256 && bk % PF_KT == 0;
+}
+
+/* One work item: KV head h, query tokens [t0, t1). ktr: the head's keys transposed, (D,
+ * ldk), zero past ctx. Scratch: qp, o (R x D), s (R x bk), m, l, alpha (R), R = (t1 - t0)
+ * x G. */
+static void pf_block(const float *q, const float *ktr, int64_t ldk, const float *v, float *out,
+                     int64_t n, int64_t ctx, int64_t Hq, int64_t Hkv, int64_t D, float qscale,
+                     int64_t h, int64_t t0, int64_t t1, int64_t bk, float *work) {
+    const int64_t G = Hq / Hkv, R = (t1 - t0) * G, off = ctx - n;
+    float *qp = work, *o = qp + R * D, *s = o + R * D;
+    float *m = s + R * bk, *l = m + R, *alpha = l + R;
+    for (int64_t r = 0; r < R; r++) {
+        const float *src = q + ((t0 + r / G) * Hq + h * G + r % G) * D;
+        for (int64_t d = 0; d < D; d++) qp[r * D + d] = src[d] * qscale;
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+    }
+    memset(o, 0, sizeof(float) * R * D);
+    const int64_t last = off + t1 - 1; /* the block's last query position */
+    const int64_t vstride = Hkv * D;
+    for (int64_t j0 = 0; j0 <= last; j0 += bk) {
+        const int64_t nkb = (ctx - j0 < bk ? ctx - j0 : bk); /* keys in this block */
+        const int64_t full = j0 + nkb - 1 <= off + t0;      /* no row masks a key of it */
+        const float *kt = ktr + j0;
+        for (int64_t r0 = 0; r0 < R; r0 += PF_MR) {
+            const int mr = (int)(R - r0 < PF_MR ? R - r0 : PF_MR);
+            /* the keys any row of this group sees: up to its last row's position */
+            int64_t lim = full ? nkb : off + t0 + (r0 + mr - 1) / G - j0 + 1;
+            lim = lim < 0 ? 0 : (lim > nkb ? nkb : lim);
+            if (!lim) continue;
+            const int64_t ncol = (lim + PF_KT - 1) / PF_KT * PF_KT;
+#define PF_QK(MR) pf_qk(qp + r0 * D, D, kt, ldk, bk, s + r0 * bk, ncol, MR)
+            PF_DISPATCH(mr, PF_QK)
+#undef PF_QK
+            /* online softmax per row over its visible keys [0, lim_r); p = 0 beyond, up to
+             * the group's lim (what PV reads) */
+            for (int i = 0; i < mr; i++) {
+                const int64_t r = r0 + i;
+                int64_t lr = full ? nkb : off + t0 + r / G - j0 + 1;
+                lr = lr < 0 ? 0 : (lr > nkb ? nkb : lr);
+                float *sr = s + r * bk;
+                if (!lr) {
+                    alpha[i] = 1.0f;
+                    for (int64_t jj = 0; jj < ncol; jj += VW) VSTORE(sr + jj, VZERO());
+                    continue;
+                }
+                const VF ninf = VSET1(-INFINITY);
+                VF mx = ninf;
+                for (int64_t jj = 0; jj < lr; jj += VW)
+                    mx = VMAXV(mx, pf_keep_lt(VLOAD(sr + jj), lr - jj, ninf));
+                const float mb = pf_hmax(mx), mo = m[r], mn = mb > mo ? mb : mo;
+                alpha[i] = exp2f(mo - mn); /* 0 when mo = -inf */
+                const VF mv = VSET1(mn);
+                VF sum = VZERO();
+                for (int64_t jj = 0; jj < ncol; jj += VW) {
+                    const VF p = pf_keep_lt(pf_exp2(VSUB(VLOAD(sr + jj), mv)), lr - jj, VZERO());
+                    VSTORE(sr + jj, p);
+                    sum = VADD(sum, p);
+                }
+                m[r] = mn;
+                l[r] = l[r] * alpha[i] + VSUM(sum);
+            }
+#define PF_PV(MR)                                                                              \
+    pf_pv(s + r0 * bk, bk, v + j0 * vstride + h * D, vstride, lim, o + r0 * D, D, alpha, MR)
+            PF_DISPATCH(mr, PF_PV)
+#undef PF_PV
+        }
+    }
+    for (int64_t r = 0; r < R; r++) {
+        float *dst = out + ((t0 + r / G) * Hq + h * G + r % G) * D;
+        const float inv = 1.0f / l[r];
+        for (int64_t d = 0; d < D; d++) dst[d] = o[r * D + d] * inv;
+    }
+}
+#endif /* VEC_PATH */
+
+/* Returns 0, 1 (scratch allocation failed) or 2 (bad shape: Hq % Hkv, n > ctx, n < 0). bq,
+ * bk: query tokens and keys per block (<= 0: the defaults, 64 tokens (fewer for G > 3) and
+ * 64 keys; a bk that is not a multiple of the QK micro-tile's 64 (AVX-512) or 16 (AVX2)
+ * keys runs the scalar loop). force_scalar: the plain loop even on a vector build (tests,
+ * benchmarks). */
+int kvmesh_prefill_attention_f32(const float *q, const float *k, const float *v, float *out,
+                                 int64_t n, int64_t ctx, int64_t Hq, int64_t Hkv, int64_t D,
+                                 float scale, int64_t bq, int64_t bk, int force_scalar,
+                                 int num_threads) {
+    if (n < 0 || ctx < n || Hkv < 1 || Hq % Hkv || D < 1) return 2;
+    if (n == 0) return 0;
+    /* 64 tokens (192 rows at G = 3); fewer for large groups, so a block's q, O and S stay
+     * within ~half of a 1 MiB L2 (G = 8, D = 128: 24 tokens, 192 rows, ~250 KB) */
+    if (bq <= 0) bq = Hq / Hkv <= 3 ? 64 : (192 / (Hq / Hkv) > 16 ? 192 / (Hq / Hkv) : 16);
+    bk = bk > 0 ? bk : 64;
+#if VEC_PATH
+    if (!force_scalar && pf_vec_ok(D, bk)) {
+        const int64_t G = Hq / Hkv, nqb = (n + bq - 1) / bq, items = Hkv * nqb;
+        const int64_t R = bq * G;
+        const int64_t floats = 2 * R * D + R * bk + 3 * R + 16;
+        const float qscale = scale * PF_LOG2E;
+        /* K transposed once per KV head, (Hkv, D, ldk), zero past ctx (a key block reads up
+         * to bk); +16 floats so rows d, d + 1 do not alias one L1 set at power-of-two ctx */
+        const int64_t ldk = (ctx + bk - 1) / bk * bk + 16;
+        float *ktr = (float *)aligned_alloc(64, (sizeof(float) * Hkv * D * ldk + 63) / 64 * 64);
+        if (!ktr) return 1;
+        int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (items > 1 && n * ctx * Hq >= 65536)
+        {
+#pragma omp for schedule(static)
+            for (int64_t hd = 0; hd < Hkv * D; hd++) {
+                const int64_t h = hd / D, d = hd % D;
+                float *row = ktr + hd * ldk;
+                for (int64_t j = 0; j < ctx; j++) row[j] = k[(j * Hkv + h) * D + d];
+                for (int64_t j = ctx; j < ldk; j++) row[j] = 0.0f;
+            }
+            float *work = (float *)aligned_alloc(64, (sizeof(float) * floats + 63) / 64 * 64);
+            if (!work) {
+#pragma omp atomic write
+                failed = 1;
+            }
+            /* largest items (the last query blocks see the most keys) first */
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t i = 0; i < items; i++) {
+                if (!work) continue;
+                const int64_t qb = nqb - 1 - i / Hkv, h = i % Hkv;
+                const int64_t t0 = qb * bq, t1 = t0 + bq < n ? t0 + bq : n;
+                pf_block(q, ktr + h * D * ldk, ldk, v, out, n, ctx, Hq, Hkv, D, qscale, h, t0,
+                         t1, bk, work);
+            }
+            free(work);
+        }
+        free(ktr);
+        return failed;
+    }
+#endif
+    (void)bq;
+    (void)force_scalar;
+    return pf_scalar(q, k, v, out, n, ctx, Hq, Hkv, D, scale, num_threads);
+}

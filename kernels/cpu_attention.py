@@ -228,3 +228,57 @@ def dequantize_int4_pages_cpu(
     )  # fmt: skip
     if rc:
         raise ValueError(f"int4 pages need an even head_size divisible by its group, got {D}")
+
+
+def prefill_attention_cpu(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    library: CpuLibrary | None = None,
+    block_q: int = 0,
+    block_k: int = 0,
+    force_scalar: bool = False,
+) -> torch.Tensor:
+    """Causal prefill attention in C (``kvmesh_prefill_attention_f32``), token-major:
+    q (n, Hq, D), k/v (ctx, Hkv, D) float32 -> (n, Hq, D) float32; query t sits at position
+    ``ctx - n + t`` and sees keys [0, that position]; query head g reads KV head g // (Hq //
+    Hkv). The torch twin is ``F.scaled_dot_product_attention(q, k, v, is_causal=True,
+    enable_gqa=True)`` on the (1, H, T, D) transposes when ctx == n (a bottom-right causal
+    mask when ctx > n). Equal to it within float rounding (tests: 2e-5 absolute for unit
+    normal inputs), not bit for bit: the blocks sum in another order and exp is a polynomial.
+    ``block_q``/``block_k``: query tokens and keys per block (0: the kernel's defaults);
+    ``force_scalar``: the plain loop even on a vector build."""
+    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
+        raise ValueError(
+            f"q must be (n, Hq, D) and k, v (ctx, Hkv, D), got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    n, Hq, D = q.shape
+    ctx, Hkv, Dk = k.shape
+    if Dk != D or Hq % Hkv:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)}: D differs or Hq % Hkv != 0")
+    if ctx < n:
+        raise ValueError(f"{n} queries need at least as many keys, got {ctx}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype != torch.float32 or t.device.type != "cpu":
+            raise ValueError(f"{name} must be a CPU float32 tensor, got {t.dtype} on {t.device}")
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    o = out if out is not None and out.is_contiguous() else torch.empty_like(q)
+    if o.shape != q.shape or o.dtype != torch.float32:
+        raise ValueError(f"out must be float32 {tuple(q.shape)}, got {o.dtype} {tuple(o.shape)}")
+    fn = (library or default_library()).fn("kvmesh_prefill_attention_f32")
+    rc = fn(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), n, ctx, Hq, Hkv, D,
+        float(scale), block_q, block_k, int(force_scalar), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc == 1:
+        raise MemoryError("the CPU prefill attention kernel could not allocate its scratch")
+    if rc:
+        raise ValueError(f"the CPU prefill kernel rejected the shapes (block_k {block_k})")
+    if out is not None and o is not out:
+        out.copy_(o)
+        return out
+    return o

@@ -66,6 +66,8 @@ SIGNATURES = {
     "kvmesh_add_rmsnorm_f32": [_P, _P, _P, _P, _I, _I, _F, _N],
     "kvmesh_rotary_f32": [_P, _P, _P, _I, _I, _I, _I, _N],
     "kvmesh_silu_mul_f32": [_P, _P, _I, _I, _N],
+    # (q, k, v, out, n, ctx, Hq, Hkv, D, scale, bq, bk, force_scalar, threads)
+    "kvmesh_prefill_attention_f32": [_P] * 4 + [_I] * 5 + [_F, _I, _I, _N, _N],
 }
 
 _lock = threading.Lock()

@@ -233,6 +233,11 @@ class LLMEngine:
             from kvmesh.kernels.cpu_linear import warm_up  # measure now, not in a request
 
             warm_up(self.model.gemm_rows(max_num_batched_tokens, max_num_seqs))
+            if hasattr(self.backend, "warm_up_prefill"):  # fresh prefill: SDPA or C, measured
+                self.backend.warm_up_prefill(
+                    max_num_batched_tokens, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                    self.dtype, self.layout.cache_format,
+                )  # fmt: skip
         # per-request KV budgets (worker/eviction): the runner's backend also shows the
         # requests that ask their attention weights
         self.eviction = EvictionManager(

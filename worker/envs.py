@@ -50,6 +50,16 @@ def gemm_mode() -> str | None:
     return _str("KVMESH_GEMM", "").strip().lower() or None
 
 
+def prefill_attn_mode() -> str:
+    """KVMESH_PREFILL_ATTN: the cpu backend's causal attention for a fresh prefill chunk
+    (``kernels.prefill_tune``): ``auto`` (default: SDPA or the C kernel, whichever is
+    measured faster on this machine, cached under KVMESH_AUTOTUNE_DIR), ``sdpa`` or ``c``."""
+    v = _str("KVMESH_PREFILL_ATTN", "").strip().lower() or "auto"
+    if v not in ("auto", "sdpa", "c"):
+        raise ValueError(f"KVMESH_PREFILL_ATTN must be auto, sdpa or c, got {v!r}")
+    return v
+
+
 def c_compiler() -> str:
     """CC: the C compiler that builds the CPU kernels (default ``cc``)."""
     return _str("CC", "") or "cc"

@@ -15,9 +15,10 @@ per group and no repeat of K/V is materialised.
 
 With ``native=True`` (the ``cpu`` backend), decode runs in kvmesh's C kernel
 (``kernels.cpu_attention``), which reads the pages in place instead of gathering them
-(quantized ones dequantized as it reads them, with an fp32 residual); if the kernel
-cannot be built (no C compiler), one warning is logged and the torch path runs
-(``worker.cpu_kernels``).
+(quantized ones dequantized as it reads them, with an fp32 residual), and a fresh causal
+prefill chunk (fp32, no window) runs the C flash kernel where it was measured faster than
+SDPA on this machine (``kernels.prefill_tune``); if the kernel cannot be built (no C
+compiler), one warning is logged and the torch path runs (``worker.cpu_kernels``).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class TorchAttentionBackend(AttentionBackend):
         self.sliding_window = sliding_window
         self._meta: AttentionMetadata | None = None
         self._native = None
+        self._prefill_tuner = None  # fresh causal prefill: SDPA or C, measured (prefill_tune)
         self._hadamard = hadamard_transform  # int4's V rotation (kernels.quant)
         if native:
             from kvmesh.worker import cpu_kernels
@@ -55,6 +57,9 @@ class TorchAttentionBackend(AttentionBackend):
 
                 self._native = paged_decode_attention_cpu
                 self._hadamard = hadamard_cpu  # bit-equal, one C call instead of ~30 torch ops
+                from kvmesh.kernels import prefill_tune
+
+                self._prefill_tuner = prefill_tune.default_tuner(cpu_kernels.load())
 
     def prepare(self, meta: AttentionMetadata) -> None:
         self._meta = meta
@@ -106,6 +111,33 @@ class TorchAttentionBackend(AttentionBackend):
 
         comps = {name: t.index_select(0, pages) for name, t in cache.views.items()}
         return dequantize_pages(cache.cache_format, comps, dtype)
+
+    def warm_up_prefill(self, max_tokens: int, Hq: int, Hkv: int, D: int, dtype, fmt: str):
+        """At engine start: choose SDPA or C for every token bucket a fresh prefill chunk can
+        have (up to the step budget), so no request waits on that measurement. Nothing to
+        choose without the C kernels, for another dtype, a quantized cache or a window."""
+        from kvmesh.kernels.page_format import QUANT_FORMATS
+        from kvmesh.kernels.prefill_tune import MIN_TOKENS, token_bucket
+
+        if self._prefill_tuner is None or dtype != torch.float32 or fmt in QUANT_FORMATS:
+            return
+        if self.sliding_window is not None:
+            return
+        n = MIN_TOKENS
+        while True:
+            self._prefill_tuner.use_c(n, Hq, Hkv, D)
+            if n >= token_bucket(max_tokens):
+                return
+            n *= 2
+
+    def _fresh_in_c(self, native: bool, mask, q, n: int, Hkv: int) -> bool:
+        """A fresh causal chunk (no window) in fp32 runs the C kernel where it was measured
+        faster than SDPA on this machine (``kernels.prefill_tune``)."""
+        if not native or mask is not None or self._prefill_tuner is None:
+            return False
+        if q.dtype != torch.float32:
+            return False
+        return self._prefill_tuner.use_c(n, q.shape[1], Hkv, q.shape[2])
 
     def forward(self, q, k, v, cache: LayerCache, scale):
         meta = self._meta
@@ -182,8 +214,13 @@ class TorchAttentionBackend(AttentionBackend):
             if fresh:  # keys are exactly this chunk's: no gather
                 # round-trip through the cache dtype so a later cache hit sees the same keys
                 kdt = cache.views["k"].dtype
-                kk = k[s : s + n].to(kdt).to(q.dtype).transpose(0, 1).unsqueeze(0)
-                vv = v[s : s + n].to(kdt).to(q.dtype).transpose(0, 1).unsqueeze(0)
+                kk, vv = k[s : s + n].to(kdt).to(q.dtype), v[s : s + n].to(kdt).to(q.dtype)
+                if self._fresh_in_c(native, mask, q, n, Hkv):
+                    from kvmesh.kernels.cpu_attention import prefill_attention_cpu
+
+                    prefill_attention_cpu(q[s : s + n], kk, vv, scale, out=out[s : s + n])
+                    continue
+                kk, vv = kk.transpose(0, 1).unsqueeze(0), vv.transpose(0, 1).unsqueeze(0)
             elif cache.quantized:  # the complete pages, then the chunk's own pages exact
                 o = own_page_attention(
                     q[s : s + n], exact[i], cache, span, mask, scale, bs, native=native

@@ -1,0 +1,211 @@
+"""Causal prefill attention on CPU: torch's SDPA or kvmesh's C flash kernel, chosen by
+measurement on the machine at hand and cached per machine.
+
+A fresh prefill chunk (nothing cached, no sliding window, float pages) runs causal attention
+over its own keys. ``kernels.cpu_attention.prefill_attention_cpu`` (the C kernel) and SDPA
+(``is_causal``, ``enable_gqa``) compute the same thing within float rounding (~1e-6); which
+is faster depends on the CPU, its vector width and the thread count. So the cpu attention
+backend asks a ``PrefillTuner`` per (Hq, Hkv, D, token bucket). At engine start
+(``TorchAttentionBackend.warm_up_prefill``: every bucket up to the step budget; else at the
+first fresh prefill of a bucket) a bucket (the next power of two of the length, at least
+16; buckets above ``MAX_TOKENS`` share its measurement) times both on random inputs of the
+bucket's size, interleaved in rounds (``autotune``'s timer: median, 7 rounds or 3 once
+they took 0.25 s); the C kernel is taken when it is at least ``MARGIN`` faster (a choice
+from timing noise would differ host to host for no gain). The choice is logged on one line
+and cached in memory and in
+``$KVMESH_AUTOTUNE_DIR/prefill_attention.json``, keyed like the GEMM cache
+(``autotune.machine_key``: CPU model and flags, torch version, threads, ISA environment)
+plus the kernel library's build (its file name hashes the sources, flags and CPU): an entry
+of another machine or another build is ignored and re-measured, a file that cannot be read
+is ignored with a warning and rewritten. ``KVMESH_PREFILL_ATTN`` pins ``sdpa`` or ``c``
+(default ``auto``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kvmesh.kernels.autotune import _time_rounds, machine_key
+
+log = logging.getLogger(__name__)
+
+CHOICES = ("sdpa", "c")
+MODES = ("auto", *CHOICES)
+CACHE_FORMAT = 1
+MIN_TOKENS = 16
+MAX_TOKENS = 2048  # larger buckets use this one's measurement (timing 8k tokens takes seconds)
+MARGIN = 0.95  # the C kernel must take at most this fraction of SDPA's time
+ROUNDS = 7
+
+
+def token_bucket(n: int) -> int:
+    b = MIN_TOKENS
+    while b < n and b < MAX_TOKENS:
+        b *= 2
+    return b
+
+
+class PrefillTuner:
+    """``use_c(n, Hq, Hkv, D)``: whether a fresh prefill of n tokens runs the C kernel.
+    ``cache_path``: the JSON file (None: memory only); ``timer``: replaces the measurement
+    (tests), ``timer(fns, rounds) -> {name: seconds}``."""
+
+    def __init__(
+        self,
+        library,
+        cache_path: Path | None = None,
+        *,
+        mode: str = "auto",
+        timer: Callable[[dict, int], dict[str, float]] | None = None,
+    ):
+        if mode not in MODES:
+            raise ValueError(f"unknown prefill attention mode {mode!r}; accepted: {MODES}")
+        self.library = library
+        self.cache_path = Path(cache_path) if cache_path is not None else None
+        self.mode = mode
+        self.timer = timer or _time_rounds
+        self.measured = 0
+        self._lock = threading.Lock()
+        self._choices: dict[tuple, bool] = {}
+
+    def _key(self, shape: tuple, tokens: int) -> dict:
+        return {
+            "format": CACHE_FORMAT,
+            "machine": machine_key(),
+            "library": Path(self.library.path).name,
+            "shape": list(shape),
+            "tokens": tokens,
+        }
+
+    def use_c(self, n: int, Hq: int, Hkv: int, D: int) -> bool:
+        if self.mode != "auto":
+            return self.mode == "c"
+        tokens = token_bucket(n)
+        mem = (Hq, Hkv, D, tokens, torch.get_num_threads())
+        with self._lock:
+            got = self._choices.get(mem)
+            if got is None:
+                key = self._key((Hq, Hkv, D), tokens)
+                with self._file_lock():
+                    entries = self._load()
+                    choice = next((e["choice"] for e in entries if _matches(e, key)), None)
+                    if choice is None:
+                        choice = self._measure(key, Hq, Hkv, D, tokens)
+                        self._save([e for e in entries if not _matches(e, key, False)], key)
+                got = self._choices[mem] = choice == "c"
+            return got
+
+    def _measure(self, key: dict, Hq: int, Hkv: int, D: int, tokens: int) -> str:
+        from kvmesh.kernels.cpu_attention import prefill_attention_cpu
+
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(tokens, Hq, D, generator=g)
+        k, v = torch.randn(tokens, Hkv, D, generator=g), torch.randn(tokens, Hkv, D, generator=g)
+        out = torch.empty_like(q)
+        qq, kk, vv = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        scale = D**-0.5
+
+        def sdpa():  # the backend's call, with its copy back to token-major
+            o = F.scaled_dot_product_attention(
+                qq, kk, vv, is_causal=True, scale=scale, enable_gqa=Hq > Hkv
+            )
+            out.copy_(o[0].transpose(0, 1))
+
+        def c():
+            prefill_attention_cpu(q, k, v, scale, out=out, library=self.library)
+
+        t = self.timer({"sdpa": sdpa, "c": c}, ROUNDS)
+        choice = "c" if t["c"] <= MARGIN * t["sdpa"] else "sdpa"
+        self.measured += 1
+        key["choice"] = choice
+        key["us"] = {n: round(x * 1e6, 1) for n, x in t.items()}
+        log.info(
+            "prefill attention Hq=%d Hkv=%d D=%d tokens<=%d: %s (median us: sdpa %g, c %g)",
+            Hq, Hkv, D, tokens, choice, key["us"]["sdpa"], key["us"]["c"],
+        )  # fmt: skip
+        return choice
+
+    # ---------------------------------------------------------------- the cache file
+
+    def _load(self) -> list[dict]:
+        if self.cache_path is None or not self.cache_path.exists():
+            return []
+        try:
+            entries = json.loads(self.cache_path.read_text())["entries"]
+            if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+                raise ValueError("'entries' is not a list of objects")
+            return entries
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.warning(
+                "prefill attention autotune cache %s is unreadable (%s): ignoring it, re-measuring",
+                self.cache_path,
+                e,
+            )
+            return []
+
+    @contextlib.contextmanager
+    def _file_lock(self):
+        """One process per host measures a bucket; the others read its entry (as
+        ``autotune.GemmTuner``)."""
+        fd = None
+        if self.cache_path is not None:
+            try:
+                self.cache_path.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(str(self.cache_path) + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError as e:
+                log.warning("could not lock the prefill autotune cache %s: %s", self.cache_path, e)
+        try:
+            yield
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    def _save(self, others: list[dict], entry: dict) -> None:
+        if self.cache_path is None:
+            return
+        tmp = None
+        try:
+            fd, tmp = tempfile.mkstemp(suffix=".json.tmp", dir=self.cache_path.parent)
+            with os.fdopen(fd, "w") as f:
+                json.dump({"format": CACHE_FORMAT, "entries": [*others, entry]}, f, indent=1)
+            os.replace(tmp, self.cache_path)
+            tmp = None
+        except OSError as e:
+            log.warning("could not write the prefill autotune cache %s: %s", self.cache_path, e)
+        finally:
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+
+
+def _matches(e: dict, key: dict, need_choice: bool = True) -> bool:
+    same = all(e.get(k) == v for k, v in key.items() if k not in ("choice", "us"))
+    return same and (not need_choice or e.get("choice") in CHOICES)
+
+
+_tuner: PrefillTuner | None = None
+_tuner_lock = threading.Lock()
+
+
+def default_tuner(library) -> PrefillTuner:
+    """The process's tuner: mode ``$KVMESH_PREFILL_ATTN``, cache in ``$KVMESH_AUTOTUNE_DIR``."""
+    from kvmesh.worker import envs
+
+    global _tuner
+    with _tuner_lock:
+        if _tuner is None or _tuner.library is not library:
+            path = envs.autotune_dir() / "prefill_attention.json"
+            _tuner = PrefillTuner(library, path, mode=envs.prefill_attn_mode())
+        return _tuner

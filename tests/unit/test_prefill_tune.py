@@ -1,0 +1,171 @@
+"""The cpu backend's fresh causal prefill: SDPA or the C flash kernel, chosen by measurement
+(kernels/prefill_tune.py), cached per machine and kernel build; and the backend runs what
+was chosen (tests/kernels/test_cpu_prefill_attention.py checks the kernel itself)."""
+
+import json
+import logging
+
+import pytest
+import torch
+
+from kvmesh.kernels import cpu_attention, prefill_tune
+from kvmesh.kernels.prefill_tune import PrefillTuner
+from kvmesh.worker import cpu_kernels
+from kvmesh.worker.attention.base import AttentionMetadata, LayerCache, PrefillSpan
+from kvmesh.worker.attention.torch_backend import TorchAttentionBackend
+
+
+class FakeTimer:
+    def __init__(self, c=1.0, sdpa=2.0):
+        self.t, self.calls = {"c": c, "sdpa": sdpa}, 0
+
+    def __call__(self, fns, rounds):
+        self.calls += 1
+        return {n: self.t[n] for n in fns}
+
+
+@pytest.fixture(scope="module")
+def lib():
+    lib = cpu_kernels.load()
+    assert lib is not None, "the C kernels must build here (a C compiler is a test requirement)"
+    return lib
+
+
+def test_measured_once_logged_then_read_from_disk(tmp_path, lib, caplog):
+    path = tmp_path / "prefill_attention.json"
+    timer = FakeTimer(c=1.0, sdpa=2.0)
+    with caplog.at_level(logging.INFO, logger="kvmesh.kernels.prefill_tune"):
+        t = PrefillTuner(lib, path, timer=timer)
+        assert t.use_c(100, 9, 3, 64) and t.use_c(128, 9, 3, 64)  # one bucket: 128
+        assert not PrefillTuner(lib, path, timer=FakeTimer(c=3.0)).use_c(100, 9, 3, 128)
+    assert timer.calls == 1 and t.measured == 1
+    assert "prefill attention Hq=9 Hkv=3 D=64 tokens<=128: c" in caplog.text
+    never = FakeTimer(c=9.0)
+    assert PrefillTuner(lib, path, timer=never).use_c(70, 9, 3, 64) and never.calls == 0
+    entries = json.loads(path.read_text())["entries"]
+    assert sorted((e["shape"][2], e["tokens"], e["choice"]) for e in entries) == [
+        (64, 128, "c"),
+        (128, 128, "sdpa"),
+    ]
+
+
+@pytest.mark.parametrize("field,value", [("machine", {"cpu": "other"}), ("library", "x.so")])
+def test_foreign_entries_are_remeasured_and_kept(tmp_path, lib, field, value):
+    path = tmp_path / "p.json"
+    PrefillTuner(lib, path, timer=FakeTimer(c=1.0)).use_c(2048, 9, 3, 64)
+    data = json.loads(path.read_text())
+    data["entries"][0][field] = value
+    path.write_text(json.dumps(data))
+    timer = FakeTimer(c=5.0)
+    assert not PrefillTuner(lib, path, timer=timer).use_c(2048, 9, 3, 64)
+    assert timer.calls == 1
+    entries = json.loads(path.read_text())["entries"]
+    assert [e["choice"] for e in entries] == ["c", "sdpa"] and entries[0][field] == value
+
+
+def test_corrupt_cache_is_ignored_with_a_warning_and_rewritten(tmp_path, lib, caplog):
+    path = tmp_path / "p.json"
+    path.write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="kvmesh.kernels.prefill_tune"):
+        assert PrefillTuner(lib, path, timer=FakeTimer(c=1.0)).use_c(16, 9, 3, 64)
+    assert "unreadable" in caplog.text
+    assert json.loads(path.read_text())["entries"][0]["choice"] == "c"
+
+
+def test_margin_buckets_modes_and_bad_mode(lib, monkeypatch):
+    assert not PrefillTuner(lib, timer=FakeTimer(c=0.97, sdpa=1.0)).use_c(64, 9, 3, 64)
+    assert PrefillTuner(lib, timer=FakeTimer(c=0.94, sdpa=1.0)).use_c(64, 9, 3, 64)
+    assert [prefill_tune.token_bucket(n) for n in (1, 17, 2048, 9000)] == [16, 32, 2048, 2048]
+    for mode, want in (("c", True), ("sdpa", False)):
+        timer = FakeTimer()
+        assert PrefillTuner(lib, mode=mode, timer=timer).use_c(64, 9, 3, 64) is want
+        assert timer.calls == 0
+    monkeypatch.setenv("KVMESH_PREFILL_ATTN", "fast")
+    from kvmesh.worker import envs
+
+    with pytest.raises(ValueError, match="KVMESH_PREFILL_ATTN must be auto, sdpa or c"):
+        envs.prefill_attn_mode()
+
+
+def test_real_measurement_times_both(lib):
+    t = PrefillTuner(lib)
+    t.use_c(40, 4, 2, 64)
+    assert t.measured == 1
+
+
+def _step(lens, Hkv=3, D=64, bs=16):
+    """One step of fresh prefills (no decode) over an fp32 page pool."""
+    pages = sum(-(-n // bs) for n in lens) + 1
+    pool = {name: torch.zeros(pages, bs, Hkv, D) for name in ("k", "v")}
+    cache = LayerCache("fp32", pool)
+    spans, slots, s, p = [], [], 0, 1
+    for n in lens:
+        table = torch.arange(p, p + -(-n // bs))
+        spans.append(PrefillSpan(start=s, q_len=n, context_len=n, block_table=table))
+        slots.append(p * bs + torch.arange(n))
+        s, p = s + n, p + len(table)
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat(slots),
+        num_decode=0,
+        decode_block_tables=torch.zeros(0, 1, dtype=torch.int64),
+        decode_context_lens=torch.zeros(0, dtype=torch.int64),
+        prefills=spans,
+        block_size=bs,
+    )
+    return cache, meta
+
+
+@pytest.mark.parametrize("window", [None, 16])
+def test_backend_runs_the_chosen_kernel(lib, monkeypatch, window):
+    calls = []
+    real = cpu_attention.prefill_attention_cpu
+
+    def spy(*a, **kw):
+        calls.append(a[0].shape)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(cpu_attention, "prefill_attention_cpu", spy)
+    lens = [37, 70]
+    g = torch.Generator().manual_seed(0)
+    T = sum(lens)
+    q, k, v = (torch.randn(T, h, 64, generator=g) for h in (9, 3, 3))
+    outs = {}
+    for mode in ("c", "sdpa"):
+        be = TorchAttentionBackend(sliding_window=window, native=True)
+        be._prefill_tuner = PrefillTuner(lib, mode=mode)
+        cache, meta = _step(lens)
+        be.prepare(meta)
+        outs[mode] = be.forward(q, k, v, cache, 0.125)
+        assert torch.equal(cache.views["k"][1:4].reshape(-1, 3, 64)[:37], k[:37])  # K written
+    # a window builds a mask: SDPA with it, never the C kernel
+    assert calls == ([] if window else [(37, 9, 64), (70, 9, 64)])
+    torch.testing.assert_close(outs["c"], outs["sdpa"], rtol=0, atol=2e-5)
+
+
+def test_engine_start_measures_every_bucket_once(lib):
+    """warm_up_prefill (called by the engine at start) chooses each bucket up to the step
+    budget, so no request waits on a measurement; nothing for bf16, int4 pages or a window."""
+    be = TorchAttentionBackend(native=True)
+    timer = FakeTimer()
+    be._prefill_tuner = PrefillTuner(lib, timer=timer)
+    be.warm_up_prefill(300, 9, 3, 64, torch.float32, "fp32")
+    assert timer.calls == 6  # 16, 32, 64, 128, 256, 512
+    be.warm_up_prefill(300, 9, 3, 64, torch.float32, "bf16")  # float pages: cached, no timing
+    assert timer.calls == 6
+    for dtype, fmt, window in ((torch.bfloat16, "fp32", None), (torch.float32, "int4", None),
+                               (torch.float32, "fp32", 64)):  # fmt: skip
+        b = TorchAttentionBackend(sliding_window=window, native=True)
+        t = FakeTimer()
+        b._prefill_tuner = PrefillTuner(lib, timer=t)
+        b.warm_up_prefill(300, 9, 3, 64, dtype, fmt)
+        assert t.calls == 0
+
+
+def test_engine_calls_the_prefill_warm_up(smol_src, monkeypatch):
+    seen = []
+    monkeypatch.setattr(TorchAttentionBackend, "warm_up_prefill", lambda self, *a: seen.append(a))
+    monkeypatch.setenv("KVMESH_GEMM", "linear")  # no GEMM measurement: not what is tested
+    from kvmesh.worker import LLM
+
+    LLM("smollm2-135m-instruct", kv_cache_memory="16MiB", max_num_batched_tokens=64)
+    assert seen == [(64, 9, 3, 64, torch.float32, "fp32")]
