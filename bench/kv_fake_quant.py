@@ -23,7 +23,9 @@ clipping, and a trailing partial group quantized too. ``kvmesh`` applies
         --design plain --design kvmesh --design plain,rotate_v=1
 
 ``residual=16`` shows decode's view instead: a query reads the K/V of its own 16-token page
-exact (the engine's full-precision residual slot) and earlier pages quantized.
+exact (the engine's full-precision residual slot) and earlier pages quantized;
+``residual=16,res_pages=N`` its own page and the N - 1 before it (the engine's residual
+ring, ``kv_residual_pages``).
 
 Windows are scored one at a time: the fp32 pass, then every design on the same window, so
 a design's KL(fp32 || design) over each position's full next-token distribution comes for
@@ -95,6 +97,8 @@ class Design:
             if key not in names:
                 raise SystemExit(f"unknown design field {key!r}; fields: {', '.join(names)}")
             d = replace(d, **{key: val if names[key] == "str" else int(val)})
+        if d.res_pages < 1 or (d.res_pages > 1 and not d.residual):
+            raise SystemExit(f"{spec!r}: res_pages needs residual=<page size> and must be >= 1")
         return d
 
     def bits_per_value(self, head_size: int) -> float:

@@ -80,6 +80,7 @@ class RayHead:
         self.object_store_memory = object_store_memory
         self.temp_dir: str | None = None
         self._old_auth_mode: str | None = None
+        self._auth_saved = False  # start() changed this process's RAY_AUTH_MODE
 
     def start(self) -> str:
         """Start the head; its GCS address, for ``ray.init(address=...)``."""
@@ -116,6 +117,7 @@ class RayHead:
         env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
         env.pop("RAY_ADDRESS", None)
         self._old_auth_mode = os.environ.get("RAY_AUTH_MODE")
+        self._auth_saved = True
         os.environ["RAY_AUTH_MODE"] = "disabled"  # this driver's; stop() restores it
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
         if out.returncode != 0:
@@ -158,10 +160,12 @@ class RayHead:
 
         import psutil
 
-        if self._old_auth_mode is None:
-            os.environ.pop("RAY_AUTH_MODE", None)
-        else:
-            os.environ["RAY_AUTH_MODE"] = self._old_auth_mode
+        if self._auth_saved:  # only what start() changed
+            if self._old_auth_mode is None:
+                os.environ.pop("RAY_AUTH_MODE", None)
+            else:
+                os.environ["RAY_AUTH_MODE"] = self._old_auth_mode
+            self._auth_saved = False
         if self.temp_dir is None:
             return
         for grace in (2.0, 0.0):  # again: a worker may have spawned during the first sweep

@@ -43,9 +43,10 @@ def test_a_ray_head_starts_though_every_child_forked_with_hooks_dies():
             took = time.monotonic() - t0
         finally:
             ray.shutdown()
-        assert head.processes(), "the head's processes are found by its temp dir"
+        procs = head.processes()
+        assert procs, "the head's processes are found by its temp dir"
     finally:
         _ARMED.clear()
         head.stop()
-    assert head.processes() == []  # everything this test started is gone
+    assert not [p for p in procs if p.is_running()]  # everything this test started is gone
     print(f"head started and ran a task in {took:.1f}s")

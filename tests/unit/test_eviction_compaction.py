@@ -90,3 +90,57 @@ def test_compacted_pages_are_never_cached_under_the_requests_hashes():
     assert kv.allocate_slots(req, 20) is not None
     assert not kv.cached_hashes()
     assert all(kv.pool.pages[i].page_hash is None for i in kv.page_ids(req))
+
+
+def test_a_ring_of_two_pages_is_read_exact_and_rewritten_exact():
+    """W = 2: the request's last two pages (one complete, one partial) are read from its
+    residual ring, exact, and a compaction writes the result's last two pages back to the
+    ring (the values it moved: exact where the ring held them), where read_layer finds them.
+    A page before the ring, or restored (before ``ring_from``), reads quantized."""
+    W, fmt, slot = 2, "int4", 1
+    g = torch.Generator().manual_seed(7)
+    layout = PageLayout(fmt, num_layers=1, num_kv_heads=H, head_size=D, block_size=BS)
+    mem = KVMemory(
+        layout,
+        "test",
+        12,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        num_residual_slots=R,
+        residual_pages=W,
+    )
+    cache = mem.layer_caches[0]
+    assert cache.residual_k.shape[0] == R * W
+    n = 10  # pages 0, 1 complete, page 2 partial: pages 1 and 2 are in the ring
+    k = torch.randn(n, H, D, generator=g)
+    v = torch.randn(n, H, D, generator=g)
+    table = [3, 7, 5]
+    for j in range(3):  # the pool: the complete pages quantized
+        if (j + 1) * BS <= n:
+            comps = quantize_pages(
+                fmt, k[None, j * BS : (j + 1) * BS], v[None, j * BS : (j + 1) * BS]
+            )
+            for name, t in comps.items():
+                cache.views[name][table[j]] = t[0]
+    for j in (1, 2):  # the ring: residual page slot * W + j % W
+        rows = k[j * BS : min((j + 1) * BS, n)]
+        cache.residual_k[cache.residual_page(slot, j), : len(rows)] = rows
+        cache.residual_v[cache.residual_page(slot, j), : len(rows)] = v[j * BS : j * BS + len(rows)]
+    k0, v0 = read_layer(cache, torch.tensor(table), n, slot, torch.float32, ring_from=0)
+    assert torch.equal(k0[BS:], k[BS:]) and torch.equal(v0[BS:], v[BS:])  # the ring, exact
+    rk, _ = _roundtrip(fmt, k[None, :BS], v[None, :BS])
+    torch.testing.assert_close(k0[:BS], rk[0], rtol=0, atol=1e-6)  # page 0: quantized
+    # restored pages (before ring_from) are read from the pool even inside the window
+    k2, _ = read_layer(cache, torch.tensor(table), n, slot, torch.float32, ring_from=2)
+    rk1, _ = _roundtrip(fmt, k[None, BS : 2 * BS], v[None, BS : 2 * BS])
+    torch.testing.assert_close(k2[BS : 2 * BS], rk1[0], rtol=0, atol=1e-6)
+    assert torch.equal(k2[2 * BS :], k[2 * BS :])
+    # compaction keeps slots 1..9 (9 slots: pages 0, 1 complete, page 2 partial)
+    keep = torch.arange(1, n).expand(H, -1)
+    kk, vv = gather_heads(k0, keep), gather_heads(v0, keep)
+    new = torch.tensor([9, 2, 4])
+    write_layer(cache, kk, vv, new, slot)
+    k1, v1 = read_layer(cache, new, n - 1, slot, torch.float32, ring_from=0)
+    assert torch.equal(k1[BS:], kk[BS:]) and torch.equal(v1[BS:], vv[BS:])  # ring, exact
+    rk, _ = _roundtrip(fmt, kk[None, :BS], vv[None, :BS])
+    torch.testing.assert_close(k1[:BS], rk[0], rtol=0, atol=1e-6)

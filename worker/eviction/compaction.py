@@ -10,15 +10,16 @@ pages, and the caller then drops the old ones.
 Quantized formats are recompressed at page granularity: the kept values are dequantized,
 gathered, and every full page of the result is quantized afresh (its own scales), exactly as
 a page filling in decode is; the result's last W pages (the partial one included) also go to
-the residual ring in full precision, with the values the compaction moved (read quantized
-where the old cache had no full-precision copy). A page of the result whose kept tokens are
-exactly one old full page's, in order, for every KV head (``unchanged_pages``), is not
-requantized: its bytes (codes and scales) are copied as stored, so a page that survives
-compactions unchanged is never requantized. A decode compaction drops ``block_size`` tokens,
-so the pages past the last dropped one move whole: StreamingLLM copies every page but the
-sinks' page, H2O every page before the first and after the last token any head of the layer
-dropped. int4 keeps V Hadamard-rotated in the pages and the residual alike, so values move
-in the rotated domain and no rotation is applied here.
+the residual ring in full precision, with the values the compaction moved (exact where the
+old cache's ring held them, dequantized from the pool elsewhere). A page of the result whose
+kept tokens are exactly one old full page's, in order, for every KV head
+(``unchanged_pages``), is not requantized: its bytes (codes and scales) are copied as
+stored, so a page that survives compactions unchanged is never requantized. A decode
+compaction drops ``block_size`` tokens, so the pages past the last dropped one move whole:
+StreamingLLM copies every page but the sinks' page, H2O every page before the first and
+after the last token any head of the layer dropped. int4 keeps V Hadamard-rotated in the
+pages and the residual alike, so values move in the rotated domain and no rotation is
+applied here.
 """
 
 from __future__ import annotations
@@ -35,9 +36,14 @@ def read_layer(
     residual_slot: int,
     dtype: torch.dtype,
     keys_only: bool = False,
+    ring_from: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """K and V of a request's first ``n`` slots: (n, Hkv, D) each, in ``dtype`` (V None with
-    ``keys_only``). table: (P,) int64 page ids covering the n slots."""
+    ``keys_only``). table: (P,) int64 page ids covering the n slots. Quantized formats: the
+    pages the request's residual ring holds are read from it, exact: its last
+    ``cache.residual_pages`` pages from ``ring_from`` on (``KVCacheManager.ring_from``);
+    None: only the partial last page (a cache whose complete pages were never put in a
+    ring)."""
     bs = cache.views["k"].shape[1]
     pages = table[: -(-n // bs)]
     sides = ("k",) if keys_only else ("k", "v")
@@ -50,11 +56,17 @@ def read_layer(
 
         comps = {name: t.index_select(0, pages) for name, t in cache.views.items()}
         residual = {"k": cache.residual_k, "v": cache.residual_v}
+        last = (n - 1) // bs
+        if ring_from is None:  # the partial last page only: it is not (yet) in the pool
+            ring = [last] if n % bs else []
+        else:
+            ring = list(range(max(ring_from, last - cache.residual_pages + 1, 0), last + 1))
+        res_pages = [cache.residual_page(residual_slot, j) for j in ring]
         for s in sides:
             x = (dequantize_k if s == "k" else dequantize_v)(cache.cache_format, comps)
             x = x.to(dtype)  # (P, bs, Hkv, D)
-            if n % bs:  # the partial last page is in the residual, not (yet) in the page
-                x[n // bs] = residual[s][cache.residual_page(residual_slot, n // bs)].to(dtype)
+            if ring:
+                x[ring] = residual[s][res_pages].to(dtype)
             out[s] = x
     H, D = out["k"].shape[-2:]
     k = out["k"].reshape(-1, H, D)[:n]

@@ -85,6 +85,7 @@ class _Observed:
     table: torch.Tensor  # (P,) int64 page ids
     residual_slot: int
     req: Request | None = None
+    ring_from: int | None = None  # quantized: the first page the residual ring may hold
     acc: torch.Tensor | None = None  # (L, Hkv, ctx) this step's attention, on the device
 
 
@@ -156,9 +157,12 @@ class EvictionManager:
             return None
         table = torch.tensor(self.kv.page_ids(req), dtype=torch.int64, device=device)
         rslot = self.kv.residual_slot(req) if self.kv.num_residual_slots else -1
+        ring_from = self.kv.ring_from(req) if self.kv.num_residual_slots else None
         lo = start + rows.start - c
         first_slot = rows.start - req.num_evicted
-        return _Observed(st, lo, lo + len(rows), first_slot, cp + n, table, rslot, req)
+        return _Observed(
+            st, lo, lo + len(rows), first_slot, cp + n, table, rslot, req, ring_from=ring_from
+        )
 
     def observe(self, layer: int, q: torch.Tensor, cache: LayerCache, scale: float) -> None:
         """Add the attention weights of the observed queries of ``layer`` to their requests'
@@ -178,7 +182,9 @@ class EvictionManager:
             self._observed = [ob for ob in self._observed if id(ob) not in gone]
 
     def _observe_one(self, ob: _Observed, layer: int, q, cache: LayerCache, scale: float):
-        k, _ = read_layer(cache, ob.table, ob.ctx, ob.residual_slot, torch.float32, True)
+        k, _ = read_layer(
+            cache, ob.table, ob.ctx, ob.residual_slot, torch.float32, True, ob.ring_from
+        )
         Hkv = k.shape[1]
         if ob.acc is None:
             shape = (self.num_layers, Hkv, ob.ctx)
@@ -317,6 +323,7 @@ class EvictionManager:
         table = table_h.to(dev)
         new_t = torch.tensor([p.page_id for p in new], dtype=torch.int64, device=dev)
         rslot = self.kv.residual_slot(req) if self.kv.num_residual_slots else -1
+        ring_from = self.kv.ring_from(req) if self.kv.num_residual_slots else None
         keep_d = keep.to(dev)
         keep_h = keep.cpu()  # which pages are copied whole: worked out on the CPU, no syncs
         for layer, cache in enumerate(self.caches):
@@ -327,7 +334,7 @@ class EvictionManager:
             if cache.quantized:
                 src = unchanged_pages(keep_h[layer], n, self.block_size)
                 copy_src = torch.where(src >= 0, table_h[src.clamp(min=0)], src)
-            k, v = read_layer(cache, table, n, rslot, dt)
+            k, v = read_layer(cache, table, n, rslot, dt, ring_from=ring_from)
             write_layer(
                 cache,
                 gather_heads(k, keep_d[layer]),
