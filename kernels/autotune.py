@@ -157,6 +157,27 @@ def _cpu() -> tuple[str, str]:
     return _CPU
 
 
+@contextlib.contextmanager
+def cache_file_lock(path: Path | None, what: str):
+    """An exclusive ``flock`` on ``<path>.lock`` across re-read, measure and write: the
+    processes of one host sharing an autotune cache file measure one at a time, and each
+    merges its entry into what the others wrote. Without a lock (no path, an unwritable
+    dir) it still works, racing, with a warning naming ``what`` cache."""
+    fd = None
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(str(path) + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as e:
+            log.warning("could not lock the %s autotune cache %s: %s", what, path, e)
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # releases the flock
+
+
 def machine_key() -> dict:
     """What a measurement is valid for: CPU model and flags, torch version, threads now, and
     the environment variables that cap or pin the instruction set MKL / oneDNN / ATen use."""
@@ -248,27 +269,8 @@ class GemmTuner:
             )
         return self._disk
 
-    @contextlib.contextmanager
     def _file_lock(self):
-        """An exclusive ``flock`` on ``<cache>.lock`` across re-read, measure and write: the
-        processes of one host sharing the file measure one at a time, and each merges its
-        entry into what the others wrote. Without a lock (unwritable dir) it still works,
-        racing as before."""
-        if self.cache_path is None:
-            yield
-            return
-        fd = None
-        try:
-            self.cache_path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(str(self.cache_path) + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError as e:
-            log.warning("could not lock the GEMM autotune cache %s: %s", self.cache_path, e)
-        try:
-            yield
-        finally:
-            if fd is not None:
-                os.close(fd)  # releases the flock
+        return cache_file_lock(self.cache_path, "GEMM")
 
     def _save(self, entry: dict) -> None:
         """Merge ``entry`` into the entries read under the file lock and write them back."""

@@ -24,7 +24,6 @@ is ignored with a warning and rewritten. ``KVMESH_PREFILL_ATTN`` pins ``sdpa`` o
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
 import os
@@ -36,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvmesh.kernels.autotune import _time_rounds, machine_key
+from kvmesh.kernels.autotune import _time_rounds, cache_file_lock, machine_key
 
 log = logging.getLogger(__name__)
 
@@ -154,23 +153,9 @@ class PrefillTuner:
             )
             return []
 
-    @contextlib.contextmanager
     def _file_lock(self):
-        """One process per host measures a bucket; the others read its entry (as
-        ``autotune.GemmTuner``)."""
-        fd = None
-        if self.cache_path is not None:
-            try:
-                self.cache_path.parent.mkdir(parents=True, exist_ok=True)
-                fd = os.open(str(self.cache_path) + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-                fcntl.flock(fd, fcntl.LOCK_EX)
-            except OSError as e:
-                log.warning("could not lock the prefill autotune cache %s: %s", self.cache_path, e)
-        try:
-            yield
-        finally:
-            if fd is not None:
-                os.close(fd)
+        """One process per host measures a bucket; the others read its entry."""
+        return cache_file_lock(self.cache_path, "prefill attention")
 
     def _save(self, others: list[dict], entry: dict) -> None:
         if self.cache_path is None:
