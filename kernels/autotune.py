@@ -178,6 +178,25 @@ def cache_file_lock(path: Path | None, what: str):
             os.close(fd)  # releases the flock
 
 
+def write_cache_file(path: Path, entries: list[dict], fmt: int, what: str) -> None:
+    """Write an autotune cache file atomically (a temp file renamed over it: readers never
+    see a partial file); a failure is a warning naming ``what`` cache, never an error."""
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".json.tmp", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"format": fmt, "entries": entries}, f, indent=1)
+        os.replace(tmp, path)
+        tmp = None
+    except OSError as e:
+        log.warning("could not write the %s autotune cache %s: %s", what, path, e)
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
 def machine_key() -> dict:
     """What a measurement is valid for: CPU model and flags, torch version, threads now, and
     the environment variables that cap or pin the instruction set MKL / oneDNN / ATen use."""
@@ -277,20 +296,7 @@ class GemmTuner:
         self._disk = [e for e in self._load() if not self._same_slot(e, entry)] + [entry]
         if self.cache_path is None:
             return
-        tmp = None
-        try:
-            self.cache_path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".json.tmp", dir=self.cache_path.parent)
-            with os.fdopen(fd, "w") as f:
-                json.dump({"format": CACHE_FORMAT, "entries": self._disk}, f, indent=1)
-            os.replace(tmp, self.cache_path)  # readers never see a partial file
-            tmp = None
-        except OSError as e:
-            log.warning("could not write the GEMM autotune cache %s: %s", self.cache_path, e)
-        finally:
-            if tmp is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
+        write_cache_file(self.cache_path, self._disk, CACHE_FORMAT, "GEMM")
 
     @staticmethod
     def _same_slot(a: dict, b: dict) -> bool:

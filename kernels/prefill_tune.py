@@ -23,11 +23,8 @@ is ignored with a warning and rewritten. ``KVMESH_PREFILL_ATTN`` pins ``sdpa`` o
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import os
-import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -35,7 +32,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvmesh.kernels.autotune import _time_rounds, cache_file_lock, machine_key
+from kvmesh.kernels.autotune import (
+    _time_rounds,
+    cache_file_lock,
+    machine_key,
+    write_cache_file,
+)
 
 log = logging.getLogger(__name__)
 
@@ -160,19 +162,7 @@ class PrefillTuner:
     def _save(self, others: list[dict], entry: dict) -> None:
         if self.cache_path is None:
             return
-        tmp = None
-        try:
-            fd, tmp = tempfile.mkstemp(suffix=".json.tmp", dir=self.cache_path.parent)
-            with os.fdopen(fd, "w") as f:
-                json.dump({"format": CACHE_FORMAT, "entries": [*others, entry]}, f, indent=1)
-            os.replace(tmp, self.cache_path)
-            tmp = None
-        except OSError as e:
-            log.warning("could not write the prefill autotune cache %s: %s", self.cache_path, e)
-        finally:
-            if tmp is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
+        write_cache_file(self.cache_path, [*others, entry], CACHE_FORMAT, "prefill attention")
 
 
 def _matches(e: dict, key: dict, need_choice: bool = True) -> bool:

@@ -48,6 +48,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def ray_side_port_flags() -> list[str]:
+    """``ray start`` flags giving every port Ray would otherwise take at a fixed default a
+    free one: several test clusters (other checkouts' included) run on this machine at
+    once. Also turns off the dashboard and usage stats."""
+    return [
+        f"--ray-client-server-port={free_port()}",
+        f"--dashboard-agent-listen-port={free_port()}",
+        f"--dashboard-agent-grpc-port={free_port()}",
+        f"--metrics-export-port={free_port()}",
+        f"--runtime-env-agent-port={free_port()}",
+        "--include-dashboard=false",
+        "--disable-usage-stats",
+    ]
+
+
 def wait_until(pred, timeout: float = 30.0, every: float = 0.1):
     """Poll ``pred()`` until it is truthy or ``timeout`` seconds passed; its last value."""
     import time
@@ -103,15 +118,7 @@ class RayHead:
             f"--temp-dir={self.temp_dir}",
             f"--num-cpus={self.num_cpus}",
             f"--object-store-memory={self.object_store_memory}",
-            # every port Ray would otherwise take at a fixed default: several test
-            # clusters (other checkouts' included) run on this machine at once
-            f"--ray-client-server-port={free_port()}",
-            f"--dashboard-agent-listen-port={free_port()}",
-            f"--dashboard-agent-grpc-port={free_port()}",
-            f"--metrics-export-port={free_port()}",
-            f"--runtime-env-agent-port={free_port()}",
-            "--include-dashboard=false",
-            "--disable-usage-stats",
+            *ray_side_port_flags(),
         ]
         # Ray's token auth: the head and this driver must agree; a loopback test cluster
         env = {**os.environ, "RAY_AUTH_MODE": "disabled"}

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import psutil
 import yaml
-from helpers import free_port
+from helpers import free_port, ray_side_port_flags
 from ray.cluster_utils import AutoscalingCluster
 
 CONFIG = Path(__file__).parent / "data" / "fake_multi_node.yaml"
@@ -70,13 +70,7 @@ class OwnAutoscalingCluster(AutoscalingCluster):
             f"--num-cpus={res.pop('CPU', 0)}",
             f"--num-gpus={res.pop('GPU', 0)}",
             f"--object-store-memory={res.pop('object_store_memory', 100 * 2**20)}",
-            f"--ray-client-server-port={free_port()}",
-            f"--dashboard-agent-listen-port={free_port()}",
-            f"--dashboard-agent-grpc-port={free_port()}",
-            f"--metrics-export-port={free_port()}",
-            f"--runtime-env-agent-port={free_port()}",
-            "--include-dashboard=false",
-            "--disable-usage-stats",
+            *ray_side_port_flags(),
         ]
         if res:
             cmd.append(f"--resources={json.dumps(res)}")
