@@ -23,7 +23,8 @@ explore``); this text only reports them.
   processes (the JSON carries each needle's hits to merge).
 * ``throughput``: ``--tput-requests`` prompts of ``--tput-prompt`` tokens (default 32 x
   2,048) with ``--tput-new`` output tokens, in a ``--pool`` pool (default 1 GiB): full
-  cache against SnapKV at 25%, output tokens/s and the ratio.
+  cache against SnapKV at 25%, output tokens/s and the ratio; and ``full_fit``, the full
+  cache with ``max_num_seqs`` capped so that it never preempts (``ratio_vs_full_fit``).
 * ``weights_cost``: decode with H2O at a budget it never reaches (it collects every query's
   attention weights, evicts nothing) against no budget: the price of the weights alone.
 
@@ -273,16 +274,26 @@ def bench_throughput(args, ids: list[int]) -> dict:
     prompts = [ids[i * 97 : i * 97 + args.tput_prompt] for i in range(args.tput_requests)]
     assert all(len(p) == args.tput_prompt for p in prompts), "text too short for the prompts"
     tokens = {}
-    configs = {"full": None, "snapkv@0.25": args.tput_prompt // 4}
+    # full_fit: the full cache admitting only as many requests as the pool holds at their
+    # final length (prompt + output), so it never preempts: the best a static
+    # max_num_seqs can do for the full cache, where the default admission overcommits the
+    # pool and preempts (recomputing whole prompts) once the admitted requests grow
+    configs = {"full": None, "full_fit": None, "snapkv@0.25": args.tput_prompt // 4}
     for label, budget in configs.items():
         if label.split("@")[0] not in args.tput_configs.split(","):
             continue
-        llm = LLM(
-            "smollm2-135m-instruct",
+        kw = dict(
             kv_cache_memory=args.pool,
             max_num_batched_tokens=args.chunk,
             enable_prefix_caching=False,
         )
+        if label == "full_fit":
+            probe = LLM("smollm2-135m-instruct", **kw)
+            pages, bs = probe.engine.stats().num_pages, probe.engine.cache_config.block_size
+            probe.close()
+            del probe
+            kw["max_num_seqs"] = max(1, pages // -(-(args.tput_prompt + args.tput_new) // bs))
+        llm = LLM("smollm2-135m-instruct", **kw)
         params = SamplingParams(
             temperature=0,
             max_tokens=args.tput_new,
@@ -302,6 +313,7 @@ def bench_throughput(args, ids: list[int]) -> dict:
             "output_tokens_per_s": round(n_out / dt, 2),
             "num_pages": s.num_pages,
             "preemptions": s.num_preemptions,
+            "max_num_seqs": llm.engine.scheduler_config.max_num_seqs,
             "errors": sum(o.finish_reason == "error" for o in outs),
             "load_start": [round(x, 2) for x in load0],
             "load_end": [round(x, 2) for x in os.getloadavg()],
@@ -313,15 +325,24 @@ def bench_throughput(args, ids: list[int]) -> dict:
         requests=args.tput_requests, prompt=args.tput_prompt, new=args.tput_new, pool=args.pool
     )
     out["output_token_ids"] = tokens  # to merge runs split with --tput-configs
-    if len(tokens) < 2:
+    if "full" in tokens and "full_fit" in tokens:  # the same model, batched differently
+        out["full_fit_outputs_equal_full"] = sum(
+            a == b for a, b in zip(tokens["full"], tokens["full_fit"])
+        )
+    if "snapkv@0.25" not in out:
         return out
-    out["ratio"] = round(
-        out["snapkv@0.25"]["output_tokens_per_s"] / out["full"]["output_tokens_per_s"], 3
-    )
+    for base, key in (("full", "ratio"), ("full_fit", "ratio_vs_full_fit")):
+        if base in out:
+            out[key] = round(
+                out["snapkv@0.25"]["output_tokens_per_s"] / out[base]["output_tokens_per_s"], 3
+            )
+    base = "full" if "full" in tokens else "full_fit" if "full_fit" in tokens else None
+    if base is None:
+        return out
     # a 25% budget changes what the model sees, so equal outputs are not expected: how many
     # of SnapKV's greedy outputs are still the full cache's, token for token, and how many
     # leading tokens agree on average
-    full, snap = tokens["full"], tokens["snapkv@0.25"]
+    full, snap = tokens[base], tokens["snapkv@0.25"]
     out["snapkv_outputs_equal_full"] = sum(a == b for a, b in zip(full, snap))
     common = [
         next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
@@ -429,8 +450,9 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument(
         "--tput-configs",
-        default="full,snapkv",
-        help="full,snapkv (default) or one of them: to run the two as concurrent processes",
+        default="full,full_fit,snapkv",
+        help="full,full_fit,snapkv (default) or some of them; full_fit is the full cache with "
+        "max_num_seqs capped at what the pool holds at the requests' final length",
     )
     ap.add_argument("--wc-prompts", type=int, default=8)
     ap.add_argument("--wc-new", type=int, default=64)
