@@ -61,6 +61,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument(
+        "--preemption-reserve",
+        type=float,
+        default=0.5,
+        metavar="SHARE",
+        help="after a preemption, admit a waiting request only if this share of every "
+        "admitted request's remaining max_tokens still fits (doubled at each further "
+        "preemption; 0: always admit what the prompt fits)",
+    )
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument(
@@ -109,6 +118,7 @@ def _engine_kwargs(
         block_size=a.block_size,
         max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens,
+        preemption_reserve=a.preemption_reserve,
         max_model_len=a.max_model_len,
         enable_prefix_caching=not a.no_prefix_caching,
         host_cache_memory=a.host_cache_memory,

@@ -104,12 +104,20 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 4096
     max_waiting: int = 4096
+    # Admission after a preemption (worker/scheduler.py): once the pool ran out, a waiting
+    # request is admitted only if this share of every admitted request's remaining output
+    # (max_tokens, its KV budget's bound) still fits; doubled at each further preemption,
+    # up to 1; 0 turns it off (admit whatever the prompt fits, as before a preemption).
+    preemption_reserve: float = 0.5
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_waiting"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        r = self.preemption_reserve
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= 1:
+            raise ValueError(f"preemption_reserve must be a number in [0, 1], got {r!r}")
 
 
 @dataclass(frozen=True)

@@ -121,6 +121,7 @@ class LLMEngine:
         max_num_batched_tokens: int = 2048,
         max_model_len: int | None = None,
         max_waiting: int = 4096,
+        preemption_reserve: float = 0.5,
         device: str | None = None,
         attention_backend: str | None = None,
         engine_id: str | None = None,
@@ -142,7 +143,13 @@ class LLMEngine:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(dtype)
         # validate every knob before the (slow) model load; max_model_len is settled below
-        SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len or 1, max_waiting)
+        SchedulerConfig(
+            max_num_seqs,
+            max_num_batched_tokens,
+            max_model_len or 1,
+            max_waiting,
+            preemption_reserve,
+        )
         self.cache_config = CacheConfig(
             block_size=block_size,
             kv_cache_memory=parse_size(kv_cache_memory),
@@ -178,6 +185,7 @@ class LLMEngine:
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=self._settle_max_model_len(max_model_len),
             max_waiting=max_waiting,
+            preemption_reserve=preemption_reserve,
         )
         self.engine_id = engine_id or uuid.uuid4().hex[:12]
         self.events = EventLog(self.engine_id)

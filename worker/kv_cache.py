@@ -217,17 +217,21 @@ class KVCacheManager:
         return pages, len(pages) * self.block_size
 
     def allocate_slots(
-        self, req: Request, num_new_tokens: int, computed: list[Page] | None = None
+        self,
+        req: Request,
+        num_new_tokens: int,
+        computed: list[Page] | None = None,
+        reserve: int = 0,
     ) -> list[Page] | None:
         """Give ``req`` pages for ``num_new_tokens`` more tokens beyond its computed ones (and
         beyond ``computed``, cached pages it reuses). Returns the new pages, or None (and
-        changes nothing) when too few pages are free."""
+        changes nothing) when too few pages are free, leaving ``reserve`` pages aside."""
         computed = computed or []
         owned = self.req_pages.get(req.request_id, [])
         total = req.cache_len + len(computed) * self.block_size + num_new_tokens
         needed = -(-total // self.block_size) - len(owned) - len(computed)
         reclaim = sum(1 for p in computed if p.ref_cnt == 0)  # free now, about to be owned
-        if needed > self.pool.num_free - reclaim:
+        if needed > self.pool.num_free - reclaim - reserve:
             return None
         if req.request_id not in self.req_pages:
             self.req_pages[req.request_id] = owned = []
@@ -403,6 +407,9 @@ class KVCacheManager:
 
     def page_ids(self, req: Request) -> list[int]:
         return [p.page_id for p in self.req_pages.get(req.request_id, [])]
+
+    def num_held_pages(self, req: Request) -> int:
+        return len(self.req_pages.get(req.request_id, ()))
 
     @property
     def num_free_pages(self) -> int:

@@ -7,6 +7,14 @@ then waiting ones in arrival order (FCFS). When the pool runs out of pages, the 
 request is preempted: its pages are freed (they stay in the prefix cache) and it goes back to
 the front of the queue, to be recomputed later.
 
+Admission is optimistic: a waiting request is admitted when its prompt fits. Once a
+preemption shows the pool overcommitted, that would thrash (admit a request, compute its
+prompt, preempt it when the others grow, admit it again): from then on, until the queue
+drains, a waiting request is admitted only if the running requests' and its own remaining
+output still fit beside it, counted at ``preemption_reserve`` of each one's remaining
+``max_tokens`` (doubled at each further preemption, up to all of it; a KV budget bounds
+what a request can grow to). A request that runs alone is always admitted.
+
 The scheduler never talks to a tier. It asks the KV connector (worker/kv_connector.py)
 whether the tiers can supply more of a waiting request's prefix; a request being promoted
 waits in its own state (``PROMOTING``) in the queue, passed over until the connector is done.
@@ -14,6 +22,7 @@ waits in its own state (``PROMOTING``) in the queue, passed over until the conne
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -47,6 +56,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()  # PROMOTING requests wait here too
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # the share of each request's remaining output admission keeps pages for: 0 until a
+        # preemption, back to 0 when the queue drains (see the module docstring)
+        self.reserve_ratio = 0.0
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -64,11 +76,29 @@ class Scheduler:
             self.connector.on_preempted(victim)
         victim.num_preemptions += 1
         self.num_preemptions += 1
+        r = self.config.preemption_reserve
+        self.reserve_ratio = min(1.0, 2 * self.reserve_ratio) if self.reserve_ratio else r
         self.waiting.appendleft(victim)
         out.preempted.append(victim)
         return victim
 
+    def _pages_to_grow(self, req: Request, held: int) -> int:
+        """Pages ``req`` still needs, beyond ``held``, to produce ``reserve_ratio`` of its
+        remaining output."""
+        bs = self.kv.block_size
+        left = min(
+            req.params.max_tokens - len(req.output_token_ids),
+            self.config.max_model_len - req.num_tokens,
+        )
+        end = req.num_tokens - req.num_evicted + math.ceil(max(left, 0) * self.reserve_ratio)
+        pages = -(-end // bs)
+        if req.kv_budget is not None:  # its cache never holds more (docs/eviction.md)
+            pages = min(pages, -(-req.kv_budget // bs) + 1)
+        return max(0, pages - held)
+
     def schedule(self) -> SchedulerOutput:
+        if not self.waiting:
+            self.reserve_ratio = 0.0
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         i = 0
@@ -92,6 +122,9 @@ class Scheduler:
             return out  # the pool is full: admitting new work now would only thrash
         conn = self.connector
         blocked = False  # a request that could run did not fit in the pool
+        reserve = 0
+        if self.reserve_ratio:
+            reserve = sum(self._pages_to_grow(r, self.kv.num_held_pages(r)) for r in self.running)
         i = 0  # PROMOTING requests are passed over; the others are taken in order
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[i]
@@ -105,9 +138,15 @@ class Scheduler:
                 i += 1
                 continue
             num_new = min(req.num_tokens - num_hit, budget)
-            if self.kv.allocate_slots(req, num_new, computed) is None:
+            extra = 0
+            if self.reserve_ratio and (self.running or out.scheduled):
+                held = -(-(num_hit + num_new) // self.kv.block_size)
+                extra = reserve + self._pages_to_grow(req, held)
+            if self.kv.allocate_slots(req, num_new, computed, reserve=extra) is None:
                 blocked = True
                 break
+            if self.reserve_ratio:
+                reserve += self._pages_to_grow(req, self.kv.num_held_pages(req))
             del self.waiting[i]
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:

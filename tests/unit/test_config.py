@@ -111,3 +111,9 @@ def test_cache_config_accepts_powers_of_two(block_size):
 def test_scheduler_config_rejects(name, value):
     with pytest.raises(ValueError, match=name):
         SchedulerConfig(**{name: value})
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.5, True, "0.5", None])
+def test_scheduler_config_rejects_a_preemption_reserve_outside_0_to_1(value):
+    with pytest.raises(ValueError, match="preemption_reserve"):
+        SchedulerConfig(preemption_reserve=value)

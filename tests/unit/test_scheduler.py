@@ -15,10 +15,17 @@ FP = "test-fp"
 
 
 def make_sched(
-    num_pages: int = 64, max_num_seqs: int = 8, max_num_batched_tokens: int = 64
+    num_pages: int = 64,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 64,
+    preemption_reserve: float = 0.5,
 ) -> Scheduler:
     kv = KVCacheManager(num_pages, BS, EventLog("engine-0"))
-    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    cfg = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        preemption_reserve=preemption_reserve,
+    )
     return Scheduler(cfg, kv)
 
 
@@ -196,7 +203,8 @@ def test_newest_request_preempts_itself_when_it_cannot_grow():
 
 
 def test_preempted_request_goes_back_ahead_of_later_arrivals():
-    s = make_sched(num_pages=5)
+    # optimistic admission throughout (with the reserve, c would wait for room to grow)
+    s = make_sched(num_pages=5, preemption_reserve=0.0)
     a = make_req("a", range(10, 17))
     b = make_req("b", range(50, 57))
     s.add(a)
@@ -310,3 +318,62 @@ def test_many_requests_run_to_completion_under_pressure():
     assert s.num_preemptions > 0
     assert [p.ref_cnt for p in s.kv.pool.pages] == [1, 0, 0, 0, 0, 0, 0]
     assert sorted(s.kv.pool.free_queue.page_ids()) == [1, 2, 3, 4, 5, 6]
+
+
+def run_long_prompts(reserve: float) -> tuple[Scheduler, int]:
+    """Sixteen requests of 512 prompt tokens and 64 output tokens, prefilled in chunks of
+    128, in 360 usable pages of 16 tokens: the pool holds 10 of them at their final 36
+    pages, and many more at their first chunk. Returns the scheduler and the tokens it had
+    computed (prompts recomputed after a preemption count again)."""
+    kv = KVCacheManager(361, 16, EventLog("engine-0"), enable_prefix_caching=False)
+    cfg = SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=128, preemption_reserve=reserve)
+    s = Scheduler(cfg, kv)
+    reqs = [
+        Request(f"r{i}", list(range(i * 600, i * 600 + 512)), SamplingParams(max_tokens=64), 16, FP)
+        for i in range(16)
+    ]
+    for r in reqs:
+        s.add(r)
+    computed = 0
+    for _ in range(2000):
+        if not s.has_unfinished():
+            break
+        out = s.schedule()
+        for req, n in out.scheduled:
+            req.num_computed_tokens += n
+            computed += n
+        for req, _ in out.scheduled:
+            if req.num_computed_tokens == req.num_tokens:
+                req.append_token(1)
+        for r in list(s.running):
+            if len(r.output_token_ids) >= r.params.max_tokens:
+                s.finish(r, RequestStatus.FINISHED_LENGTH)
+    assert not s.has_unfinished()
+    assert all(len(r.output_token_ids) == 64 for r in reqs)
+    return s, computed
+
+
+def test_admission_after_a_preemption_keeps_room_for_the_running_requests_to_grow():
+    # Optimistic admission lets a request in when its first chunk fits; the running ones
+    # grow, the newest is preempted (its prompt computed for nothing) and is let in again
+    # as soon as its first chunk fits: it thrashes. After the first preemption the reserve
+    # admits only what the pool can carry to the end.
+    least = 16 * (512 + 63)  # every prompt once, every output token but the last
+    thrash, thrash_computed = run_long_prompts(0.0)
+    s, computed = run_long_prompts(0.5)
+    assert thrash.num_preemptions >= 5 and thrash_computed > least + 1000
+    assert s.num_preemptions <= 2 and computed <= least + 2 * 512
+    assert s.reserve_ratio == 0.0  # the queue drained: optimistic admission again
+    assert sorted(s.kv.pool.free_queue.page_ids()) == list(range(1, 361))
+
+
+def test_the_reserve_counts_a_kv_budget_as_the_most_a_request_can_hold():
+    s = make_sched(num_pages=64)
+    s.reserve_ratio = 1.0
+    r = Request("b", list(range(40)), SamplingParams(max_tokens=100), BS, FP)
+    assert s._pages_to_grow(r, 10) == 25  # 140 tokens at the end: 35 pages
+    r.kv_budget = 20
+    assert s._pages_to_grow(r, 3) == 3  # at most ceil(20 / 4) + 1 = 6 pages
+    s.reserve_ratio = 0.5
+    r.kv_budget = None
+    assert s._pages_to_grow(r, 10) == 13  # 40 + 50 tokens: 23 pages
