@@ -368,6 +368,18 @@ def mass_kept(rec, keep, Hkv=3) -> float:
     return got / tot
 
 
+def oracle_recall(keep, oracle) -> float | None:
+    """The share of the per-head oracle's slots that ``keep`` keeps too (every layer and
+    KV head); None for a set per query, which has no single slot set to compare."""
+    hit = tot = 0
+    for layer, o in oracle.items():
+        if keep[layer].dim() == 3:
+            return None
+        hit += int((keep[layer] & o).sum())
+        tot += int(o.sum())
+    return hit / tot
+
+
 def streaming_keep_ref(rec, P, budget, Hkv=3, sinks=4):
     m = torch.zeros(Hkv, P, dtype=torch.bool)
     m[:, :sinks] = True
@@ -441,6 +453,7 @@ def budgets(model, tok, args) -> dict:
     H = model.config.num_key_value_heads
     nll: dict[str, list[float]] = {}
     mass: dict[str, list[float]] = {}
+    recall: dict[str, list[float]] = {}
     starts = [args.offset + wi * (C + N) for wi in range(args.windows)]
     for wi, o in enumerate(starts):
         w = ids[o : o + C + N]
@@ -449,8 +462,10 @@ def budgets(model, tok, args) -> dict:
         t0 = time.monotonic()
         cache, last, rec = prefill_window(model, ctx, cont, per_query="query" in args.oracles)
         rows = {"full": {layer: torch.ones(H, C, dtype=torch.bool) for layer in rec}}
+        bound = {"full": rows["full"]}  # row -> the per-head oracle at its budget
         for frac in args.fractions:
             b = int(C * frac)
+            n_rows = len(rows)
             for o_name in args.oracles:
                 rows[f"oracle_{o_name}@{frac:g}"] = (
                     oracle_query_keep(rec, b, Hkv=H)
@@ -462,13 +477,17 @@ def budgets(model, tok, args) -> dict:
             if args.baselines:
                 rows[f"streaming@{frac:g}"] = streaming_keep_ref(rec, C, b, Hkv=H)
                 rows[f"random@{frac:g}"] = random_keep_ref(rec, C, b, Hkv=H)
+            head_oracle = oracle_keep(rec, b, Hkv=H)
+            bound.update({name: head_oracle for name in list(rows)[n_rows:]})
         for name, keep in rows.items():
             lc = run_with_keep(model, cache, C, keep, cont)
             nll.setdefault(name, []).append(cont_nll(last, lc, cont))
             mass.setdefault(name, []).append(mass_kept(rec, keep, Hkv=H))
+            recall.setdefault(name, []).append(oracle_recall(keep, bound[name]))
             log(
                 f"window {wi} {name}: ppl {math.exp(nll[name][-1]):.3f} "
-                f"mass {mass[name][-1]:.3f} ({time.monotonic() - t0:.0f}s, "
+                f"mass {mass[name][-1]:.3f} recall {recall[name][-1]} "
+                f"({time.monotonic() - t0:.0f}s, "
                 f"load {os.getloadavg()[0]:.1f})"
             )
         del rec, rows
@@ -489,6 +508,7 @@ def budgets(model, tok, args) -> dict:
             "vs_full_mean": round(mean, 4),
             "vs_full_sd": round(sd, 4),
             "mass_kept": [round(x, 4) for x in mass[name]],
+            "oracle_recall": [x if x is None else round(x, 4) for x in recall[name]],
         }
     return {
         "text": args.text,

@@ -136,3 +136,8 @@ def test_reference_oracles_and_snapkv_allocation():
         assert as_sets(m[:, : P - 4]) == want
         assert bool(m[:, P - 4 :].all())  # every head keeps the window
     assert ref.mass_kept(rec, ref.oracle_keep(rec, P, Hkv=Hkv), Hkv=Hkv) == pytest.approx(1.0)
+    orc = ref.oracle_keep(rec, budget, Hkv=Hkv)
+    both = sum(len(a & b) for L in rec for a, b in zip(as_sets(ada[L]), as_sets(orc[L])))
+    assert ref.oracle_recall(ada, orc) == pytest.approx(both / (2 * Hkv * budget))
+    assert ref.oracle_recall(orc, orc) == 1.0
+    assert ref.oracle_recall(ref.oracle_query_keep(rec, budget, Hkv=Hkv), orc) is None
