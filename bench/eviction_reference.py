@@ -41,7 +41,7 @@ _REC: dict[int, tuple] = {}  # layer -> what the recorded pass saw (see ``_atten
 _KEEP: dict[int, torch.Tensor] = {}  # layer -> (Hkv, P) bool: prompt slots kept per KV head
 _KEEPQ: dict[int, torch.Tensor] = {}  # layer -> (Hkv, Tq, P) bool: kept per query (oracle)
 _STATE = {"record": False, "prompt_len": 0, "per_query": False}
-REC_ROWS = 64  # the largest observation window tried
+REC_ROWS = 128  # the largest observation window tried
 
 
 def _attention(module, query, key, value, attention_mask, scaling, **kw):
