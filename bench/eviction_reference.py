@@ -12,9 +12,13 @@ engine (the first answer token comes from the full prompt).
   against this reference with the same parameters: the greedy answer tokens, the perplexity.
 * ``explore``: SnapKV variants (window, pooling kernel, avg or max pooling, how a GQA group
   votes) on the tuning text, needle accuracy and perplexity per variant.
+* ``budgets``: perplexity with counts that differ per KV head (Ada-KV) or per layer
+  (PyramidKV; ``eviction_budgets.py``), and the oracle bounds: the slots the continuation's
+  own queries attend to most (one pass over context + continuation records them).
 
     python eviction_reference.py check --needles 10 --needle-context 1024
     python eviction_reference.py explore --text tinyshakespeare
+    python eviction_reference.py budgets --text gpl --offset 0 --windows 4 --fractions 0.25
 """
 
 from __future__ import annotations
