@@ -195,10 +195,10 @@ class PrefillTuner:
         self.measured += 1
         key["choice"] = choice
         key["us"] = {n: round(x * 1e6, 1) for n, x in t.items()}
+        kind = " (own page)" if key.get("kind") == "own_page" else ""
         log.info(
-            "prefill attention (%s) Hq=%d Hkv=%d D=%d tokens<=%d: %s (median us: sdpa %g, c %g)",
-            key.get("kind", "causal"), Hq, Hkv, D, tokens, choice, key["us"]["sdpa"],
-            key["us"]["c"],
+            "prefill attention%s Hq=%d Hkv=%d D=%d tokens<=%d: %s (median us: sdpa %g, c %g)",
+            kind, Hq, Hkv, D, tokens, choice, key["us"]["sdpa"], key["us"]["c"],
         )  # fmt: skip
         return choice
 
