@@ -110,13 +110,16 @@ def exact_own_pages(
         residual_page(span.request_slot, j, span.residual_pages)
         for j in range(e0 // bs, -(-(e0 + head) // bs))
     ]
+    ring_idx = torch.tensor(ring, dtype=torch.int64, device=residual_k.device)
     out = []
     for new, res in ((k, residual_k), (v, residual_v)):
-        x = res.new_zeros((lx, *res.shape[2:]))
+        # each row written once: the ring's pages (whole: their rows from ``head`` on are
+        # overwritten, a partial page's are not its tokens yet), the chunk, zeros after it
+        x = res.new_empty((lx, *res.shape[2:]))
         if head:
-            x[: len(ring) * bs] = res[ring].reshape(-1, *res.shape[2:])
-            x[head:] = 0  # a partial page's rows past ``head`` are not its tokens yet
-        x[head : head + n] = new[s : s + n].to(res.dtype)
+            torch.index_select(res, 0, ring_idx, out=x[: len(ring) * bs].view(-1, *res.shape[1:]))
+        x[head : head + n] = new[s : s + n]
+        x[head + n :] = 0
         out.append(x)
     return out[0], out[1]
 
