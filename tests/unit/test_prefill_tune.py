@@ -202,3 +202,28 @@ def test_engine_calls_the_prefill_warm_up(smol_src, monkeypatch):
 
     LLM("smollm2-135m-instruct", kv_cache_memory="16MiB", max_num_batched_tokens=64)
     assert seen == [(64, 9, 3, 64, torch.float32, "fp32")]
+
+
+@pytest.mark.parametrize("mode", ["c", "sdpa"])
+def test_engine_runs_the_chosen_own_page_kernel(smol_src, monkeypatch, mode):
+    """Over an int4 cache the cpu backend's prefill chunks run the one-pass C kernel when
+    it is chosen (``KVMESH_PREFILL_ATTN=c``), the masked SDPA when SDPA is."""
+    calls = []
+    real = cpu_attention.prefill_attention_runs_cpu
+
+    def spy(q, *a, **kw):
+        calls.append(q.shape[0])
+        return real(q, *a, **kw)
+
+    monkeypatch.setattr(cpu_attention, "prefill_attention_runs_cpu", spy)
+    monkeypatch.setenv("KVMESH_GEMM", "linear")  # no GEMM measurement: not what is tested
+    monkeypatch.setenv("KVMESH_PREFILL_ATTN", mode)
+    monkeypatch.setattr(prefill_tune, "_tuner", None)  # the mode is read with the tuner
+    from kvmesh.worker import LLM, SamplingParams
+
+    llm = LLM("smollm2-135m-instruct", kv_cache_dtype="int4", kv_cache_memory="16MiB")
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    out = llm.generate([list(range(100, 170))], params)[0]
+    assert len(out.token_ids) == 2
+    # one 70-token chunk per layer in C, or none
+    assert calls == ([70] * llm.engine.model_config.num_layers if mode == "c" else [])
