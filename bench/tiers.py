@@ -136,7 +136,7 @@ def run_conversations(llm: LLM, args, text: str) -> dict:
         histories = [list(system) for _ in range(n)]
     params = SamplingParams(max_tokens=args.output_tokens, temperature=0.0, ignore_eos=True)
     ttfts, outputs, prompt_tokens = [], [], 0
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for turn in range(turns):
         news = prompts_from_text(llm, text, n, args.turn_tokens, offset=5000 + turn * 200_000)
         prompts = [h + m for h, m in zip(histories, news)]
@@ -146,11 +146,17 @@ def run_conversations(llm: LLM, args, text: str) -> dict:
             histories[i] = prompts[i] + o.token_ids
             ttfts.append(o.ttft_s)
             outputs.append(o.token_ids)
-        log(f"turn {turn + 1}/{turns}: {time.perf_counter() - t0:.1f}s")
+        log(
+            f"turn {turn + 1}/{turns}: {time.perf_counter() - t0:.1f}s"
+            f" ({time.process_time() - c0:.1f} CPU s)"
+        )
     wall = time.perf_counter() - t0
     s = llm.engine.stats()
     return {
         "wall_s": wall,
+        # the process's CPU seconds (all threads) over the same span: on a loaded machine
+        # less inflated than wall time by waiting for a core (not by OpenMP spin-waits)
+        "cpu_s": time.process_time() - c0,
         "requests_per_s": n * turns / wall,
         "output_tokens_per_s": n * turns * args.output_tokens / wall,
         "mean_ttft_s": statistics.fmean(ttfts),

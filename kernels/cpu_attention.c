@@ -1450,3 +1450,252 @@ int kvmesh_prefill_attention_f32(const float *q, const float *k, const float *v,
     (void)force_scalar;
     return pf_scalar(q, k, v, out, n, ctx, Hq, Hkv, D, scale, num_threads);
 }
+
+/* ------------------------------------------------------------------------------------------
+ * Prefill attention over two runs of keys, each query reading one range of each (the own-page
+ * view of a chunk over a quantized cache, worker/attention/own_page.py): run A (la keys, the
+ * dequantized complete pages) and run B (lb keys, the exact pages), token-major fp32:
+ *   q, out (n, Hq, D); ka, va (la, Hkv, D); kb, vb (lb, Hkv, D);
+ *   ranges (n, 4) int64: query t reads A's keys [r0, r1) and B's keys [r2, r3).
+ * One online softmax over both runs, each key read once, no mask tensor. The twin is SDPA
+ * over cat(A, B) with the bool mask those ranges make (own_page_mask). The vector path is the
+ * causal kernel's (pf_qk, pf_pv, pf_exp2 above); a key block's columns start at the first key
+ * some row of the micro-tile reads, and each row keeps the lanes of its own range. Every
+ * query must read at least one key.
+ * ---------------------------------------------------------------------------------------- */
+static int pr_scalar(const float *q, const float *const *ks, const float *const *vs,
+                     const int64_t *lens, const int64_t *ranges, float *out, int64_t n,
+                     int64_t Hq, int64_t Hkv, int64_t D, float scale, int num_threads) {
+    const int64_t G = Hq / Hkv;
+    const int64_t cap = lens[0] + lens[1] > 0 ? lens[0] + lens[1] : 1;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (n * cap * Hq >= 65536)
+    {
+        float *s = (float *)malloc(sizeof(float) * cap);
+        if (!s) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 16)
+        for (int64_t i = 0; i < n * Hq; i++) {
+            if (!s) continue;
+            const int64_t t = i / Hq, g = i % Hq, h = g / G;
+            const float *qr = q + (t * Hq + g) * D;
+            float m = -INFINITY;
+            int64_t ns = 0;
+            for (int run = 0; run < 2; run++)
+                for (int64_t j = ranges[t * 4 + 2 * run]; j < ranges[t * 4 + 2 * run + 1]; j++) {
+                    const float *kr = ks[run] + (j * Hkv + h) * D;
+                    float dot = 0.0f;
+                    for (int64_t d = 0; d < D; d++) dot += qr[d] * kr[d];
+                    s[ns] = dot * scale;
+                    m = s[ns] > m ? s[ns] : m;
+                    ns++;
+                }
+            float l = 0.0f;
+            for (int64_t j = 0; j < ns; j++) {
+                s[j] = expf(s[j] - m);
+                l += s[j];
+            }
+            float *o = out + (t * Hq + g) * D;
+            for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+            ns = 0;
+            for (int run = 0; run < 2; run++)
+                for (int64_t j = ranges[t * 4 + 2 * run]; j < ranges[t * 4 + 2 * run + 1]; j++) {
+                    const float *vr = vs[run] + (j * Hkv + h) * D, p = s[ns++];
+                    for (int64_t d = 0; d < D; d++) o[d] += p * vr[d];
+                }
+            const float inv = 1.0f / l;
+            for (int64_t d = 0; d < D; d++) o[d] *= inv;
+        }
+        free(s);
+    }
+    return failed;
+}
+
+#if VEC_PATH
+/* lanes of x outside [lo, hi) (relative to x's first lane) -> fill */
+static inline VF pr_keep_in(VF x, int64_t lo, int64_t hi, VF fill) {
+    lo = lo < 0 ? 0 : (lo > VW ? VW : lo);
+    hi = hi < 0 ? 0 : (hi > VW ? VW : hi);
+#if VEC_PATH == 512
+    const uint32_t up = (1u << hi) - 1, down = (1u << lo) - 1;
+    return _mm512_mask_blend_ps((__mmask16)(up & ~down), fill, x);
+#else
+    const __m256 iota = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 m = _mm256_and_ps(_mm256_cmp_ps(iota, _mm256_set1_ps((float)lo), _CMP_GE_OQ),
+                                   _mm256_cmp_ps(iota, _mm256_set1_ps((float)hi), _CMP_LT_OQ));
+    return _mm256_blendv_ps(fill, x, m);
+#endif
+}
+
+/* One work item: KV head h, query tokens [t0, t1), over both runs. ktr[run]: that run's keys
+ * of head h transposed, (D, ldk[run]), zero past its length up to ldk. Scratch as pf_block. */
+static void pr_block(const float *q, const float *const *ktr, const int64_t *ldk,
+                     const float *const *vs, const int64_t *lens, const int64_t *ranges,
+                     float *out, int64_t Hq, int64_t Hkv, int64_t D, float qscale, int64_t h,
+                     int64_t t0, int64_t t1, int64_t bk, float *work) {
+    const int64_t G = Hq / Hkv, R = (t1 - t0) * G, vstride = Hkv * D;
+    float *qp = work, *o = qp + R * D, *s = o + R * D;
+    float *m = s + R * bk, *l = m + R, *alpha = l + R;
+    for (int64_t r = 0; r < R; r++) {
+        const float *src = q + ((t0 + r / G) * Hq + h * G + r % G) * D;
+        for (int64_t d = 0; d < D; d++) qp[r * D + d] = src[d] * qscale;
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+    }
+    memset(o, 0, sizeof(float) * R * D);
+    for (int run = 0; run < 2; run++) {
+        /* the keys of this run any query of the block reads */
+        int64_t jlo = lens[run], jhi = 0;
+        for (int64_t t = t0; t < t1; t++) {
+            const int64_t a = ranges[t * 4 + 2 * run], b = ranges[t * 4 + 2 * run + 1];
+            if (a >= b) continue;
+            jlo = a < jlo ? a : jlo;
+            jhi = b > jhi ? b : jhi;
+        }
+        const float *vrun = vs[run] + h * D;
+        for (int64_t j0 = jlo; j0 < jhi; j0 += bk) {
+            const int64_t nkb = jhi - j0 < bk ? jhi - j0 : bk;
+            const float *kt = ktr[run] + j0;
+            for (int64_t r0 = 0; r0 < R; r0 += PF_MR) {
+                const int mr = (int)(R - r0 < PF_MR ? R - r0 : PF_MR);
+                /* the micro-tile's columns: [glo, ghi) of this block, glo down to a tile */
+                int64_t glo = nkb, ghi = 0;
+                for (int i = 0; i < mr; i++) {
+                    const int64_t t = t0 + (r0 + i) / G;
+                    int64_t a = ranges[t * 4 + 2 * run] - j0, b = ranges[t * 4 + 2 * run + 1] - j0;
+                    a = a < 0 ? 0 : a;
+                    b = b > nkb ? nkb : b;
+                    if (a >= b) continue;
+                    glo = a < glo ? a : glo;
+                    ghi = b > ghi ? b : ghi;
+                }
+                if (glo >= ghi) continue;
+                /* columns [c0v, c0v + ncol), whole micro-tiles, inside the bk-wide rows of s:
+                 * from the vector holding glo, moved back if the last tile would pass bk */
+                const int64_t cs = glo / VW * VW;
+                const int64_t ncol = (ghi - cs + PF_KT - 1) / PF_KT * PF_KT; /* <= bk */
+                const int64_t c0v = cs + ncol > bk ? bk - ncol : cs;
+#define PR_QK(MR) pf_qk(qp + r0 * D, D, kt + c0v, ldk[run], bk, s + r0 * bk + c0v, ncol, MR)
+                PF_DISPATCH(mr, PR_QK)
+#undef PR_QK
+                for (int i = 0; i < mr; i++) {
+                    const int64_t r = r0 + i, t = t0 + r / G;
+                    const int64_t a = ranges[t * 4 + 2 * run] - j0;
+                    const int64_t b = ranges[t * 4 + 2 * run + 1] - j0;
+                    float *sr = s + r * bk;
+                    const int64_t lo = a < 0 ? 0 : a, hi = b > nkb ? nkb : b;
+                    if (lo >= hi) {
+                        alpha[i] = 1.0f;
+                        for (int64_t jj = c0v; jj < c0v + ncol; jj += VW) VSTORE(sr + jj, VZERO());
+                        continue;
+                    }
+                    const VF ninf = VSET1(-INFINITY);
+                    VF mx = ninf;
+                    for (int64_t jj = c0v; jj < c0v + ncol; jj += VW)
+                        mx = VMAXV(mx, pr_keep_in(VLOAD(sr + jj), lo - jj, hi - jj, ninf));
+                    const float mb = pf_hmax(mx), mo = m[r], mn = mb > mo ? mb : mo;
+                    alpha[i] = exp2f(mo - mn); /* 0 when mo = -inf */
+                    const VF mv = VSET1(mn);
+                    VF sum = VZERO();
+                    for (int64_t jj = c0v; jj < c0v + ncol; jj += VW) {
+                        const VF p =
+                            pr_keep_in(pf_exp2(VSUB(VLOAD(sr + jj), mv)), lo - jj, hi - jj, VZERO());
+                        VSTORE(sr + jj, p);
+                        sum = VADD(sum, p);
+                    }
+                    m[r] = mn;
+                    l[r] = l[r] * alpha[i] + VSUM(sum);
+                }
+#define PR_PV(MR)                                                                              \
+    pf_pv(s + r0 * bk + c0v, bk, vrun + (j0 + c0v) * vstride, vstride, ghi - c0v, o + r0 * D, D,  \
+          alpha, MR)
+                PF_DISPATCH(mr, PR_PV)
+#undef PR_PV
+            }
+        }
+    }
+    for (int64_t r = 0; r < R; r++) {
+        float *dst = out + ((t0 + r / G) * Hq + h * G + r % G) * D;
+        const float inv = 1.0f / l[r];
+        for (int64_t d = 0; d < D; d++) dst[d] = o[r * D + d] * inv;
+    }
+}
+#endif /* VEC_PATH */
+
+/* Returns 0, 1 (scratch allocation failed) or 2 (bad shape or ranges: a range outside its
+ * run, or a query reading no key). bq, bk, force_scalar as kvmesh_prefill_attention_f32. */
+int kvmesh_prefill_attention_runs_f32(const float *q, const float *ka, const float *va,
+                                      int64_t la, const float *kb, const float *vb, int64_t lb,
+                                      const int64_t *ranges, float *out, int64_t n, int64_t Hq,
+                                      int64_t Hkv, int64_t D, float scale, int64_t bq,
+                                      int64_t bk, int force_scalar, int num_threads) {
+    if (n < 0 || la < 0 || lb < 0 || Hkv < 1 || Hq % Hkv || D < 1) return 2;
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t *r = ranges + t * 4;
+        if (r[0] < 0 || r[0] > r[1] || r[1] > la || r[2] < 0 || r[2] > r[3] || r[3] > lb)
+            return 2;
+        if (r[0] == r[1] && r[2] == r[3]) return 2;
+    }
+    if (n == 0) return 0;
+    const float *ks[2] = {ka, kb}, *vs[2] = {va, vb};
+    const int64_t lens[2] = {la, lb};
+    if (bq <= 0) bq = Hq / Hkv <= 3 ? 64 : (192 / (Hq / Hkv) > 16 ? 192 / (Hq / Hkv) : 16);
+    bk = bk > 0 ? bk : 64;
+#if VEC_PATH
+    if (!force_scalar && pf_vec_ok(D, bk)) {
+        const int64_t G = Hq / Hkv, nqb = (n + bq - 1) / bq, items = Hkv * nqb;
+        const int64_t R = bq * G;
+        const int64_t floats = 2 * R * D + R * bk + 3 * R + 16;
+        const float qscale = scale * PF_LOG2E;
+        /* each run's K transposed once per KV head, (Hkv, D, ldk), zero past its length (a
+         * block reads up to bk keys from any start); +16: see kvmesh_prefill_attention_f32 */
+        int64_t ldk[2], base[2];
+        ldk[0] = (la + bk + 15) / 16 * 16 + 16;
+        ldk[1] = (lb + bk + 15) / 16 * 16 + 16;
+        base[0] = 0;
+        base[1] = Hkv * D * ldk[0];
+        const int64_t total = Hkv * D * (ldk[0] + ldk[1]);
+        float *ktr = (float *)aligned_alloc(64, (sizeof(float) * total + 63) / 64 * 64);
+        if (!ktr) return 1;
+        int failed = 0;
+        const int64_t work_est = n * (la + lb) * Hq;
+#pragma omp parallel num_threads(num_threads) if (items > 1 && work_est >= 65536)
+        {
+            for (int run = 0; run < 2; run++) {
+#pragma omp for schedule(static)
+                for (int64_t hd = 0; hd < Hkv * D; hd++) {
+                    const int64_t hh = hd / D, d = hd % D, L = lens[run], ld = ldk[run];
+                    float *row = ktr + base[run] + hd * ld;
+                    const float *src = ks[run];
+                    for (int64_t j = 0; j < L; j++) row[j] = src[(j * Hkv + hh) * D + d];
+                    for (int64_t j = L; j < ld; j++) row[j] = 0.0f;
+                }
+            }
+            float *work = (float *)aligned_alloc(64, (sizeof(float) * floats + 63) / 64 * 64);
+            if (!work) {
+#pragma omp atomic write
+                failed = 1;
+            }
+            /* later query blocks read the most keys: first */
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t i = 0; i < items; i++) {
+                if (!work) continue;
+                const int64_t qb = nqb - 1 - i / Hkv, h = i % Hkv;
+                const int64_t t0 = qb * bq, t1 = t0 + bq < n ? t0 + bq : n;
+                const float *kt[2] = {ktr + base[0] + h * D * ldk[0],
+                                      ktr + base[1] + h * D * ldk[1]};
+                pr_block(q, kt, ldk, vs, lens, ranges, out, Hq, Hkv, D, qscale, h, t0, t1, bk,
+                         work);
+            }
+            free(work);
+        }
+        free(ktr);
+        return failed;
+    }
+#endif
+    (void)bq;
+    (void)force_scalar;
+    return pr_scalar(q, ks, vs, lens, ranges, out, n, Hq, Hkv, D, scale, num_threads);
+}

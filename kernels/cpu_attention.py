@@ -282,3 +282,67 @@ def prefill_attention_cpu(
         out.copy_(o)
         return out
     return o
+
+
+def prefill_attention_runs_cpu(
+    q: torch.Tensor,
+    run_a: tuple[torch.Tensor, torch.Tensor],
+    run_b: tuple[torch.Tensor, torch.Tensor],
+    ranges: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    library: CpuLibrary | None = None,
+    block_q: int = 0,
+    block_k: int = 0,
+    force_scalar: bool = False,
+) -> torch.Tensor:
+    """Prefill attention over two runs of keys in C (``kvmesh_prefill_attention_runs_f32``),
+    token-major: q (n, Hq, D), ``run_a`` = (k, v) each (La, Hkv, D), ``run_b`` = (k, v) each
+    (Lb, Hkv, D), all float32 -> (n, Hq, D) float32. ``ranges`` (n, 4) int64: query t reads
+    run A's keys ``[ranges[t, 0], ranges[t, 1])`` and run B's ``[ranges[t, 2], ranges[t,
+    3])`` (every query at least one key). One online softmax over both runs, each key read
+    once; query head g reads KV head g // (Hq // Hkv). The twin is SDPA over ``cat(A, B)``
+    with the bool mask the ranges make (``worker.attention.own_page``: the complete pages
+    dequantized, then the exact pages), equal within float rounding. ``block_q``,
+    ``block_k``, ``force_scalar`` as ``prefill_attention_cpu``."""
+    (ka, va), (kb, vb) = run_a, run_b
+    if q.dim() != 3:
+        raise ValueError(f"q must be (n, Hq, D), got {tuple(q.shape)}")
+    n, Hq, D = q.shape
+    for name, k, v in (("run_a", ka, va), ("run_b", kb, vb)):
+        if k.dim() != 3 or v.shape != k.shape or k.shape[2] != D or Hq % max(k.shape[1], 1):
+            raise ValueError(
+                f"{name} must be (k, v), each (L, Hkv, {D}) with Hq {Hq} a multiple of Hkv, "
+                f"got {tuple(k.shape)}, {tuple(v.shape)}"
+            )
+    Hkv = ka.shape[1]
+    if kb.shape[1] != Hkv:
+        raise ValueError(f"run_a has {Hkv} KV heads, run_b {kb.shape[1]}")
+    for name, t in (("q", q), ("run_a k", ka), ("run_a v", va), ("run_b k", kb), ("run_b v", vb)):
+        if t.dtype != torch.float32 or t.device.type != "cpu":
+            raise ValueError(f"{name} must be a CPU float32 tensor, got {t.dtype} on {t.device}")
+    if ranges.shape != (n, 4) or ranges.dtype != torch.int64:
+        raise ValueError(f"ranges must be ({n}, 4) int64, got {ranges.dtype} {tuple(ranges.shape)}")
+    q, ka, va, kb, vb = (t.contiguous() for t in (q, ka, va, kb, vb))
+    rg = ranges.contiguous()
+    o = out if out is not None and out.is_contiguous() else torch.empty_like(q)
+    if o.shape != q.shape or o.dtype != torch.float32:
+        raise ValueError(f"out must be float32 {tuple(q.shape)}, got {o.dtype} {tuple(o.shape)}")
+    fn = (library or default_library()).fn("kvmesh_prefill_attention_runs_f32")
+    rc = fn(
+        q.data_ptr(), ka.data_ptr(), va.data_ptr(), ka.shape[0], kb.data_ptr(), vb.data_ptr(),
+        kb.shape[0], rg.data_ptr(), o.data_ptr(), n, Hq, Hkv, D, float(scale), block_q, block_k,
+        int(force_scalar), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc == 1:
+        raise MemoryError("the CPU prefill attention kernel could not allocate its scratch")
+    if rc:
+        raise ValueError(
+            f"ranges must lie within the runs ({ka.shape[0]} and {kb.shape[0]} keys) with every "
+            "query reading at least one key"
+        )
+    if out is not None and o is not out:
+        out.copy_(o)
+        return out
+    return o

@@ -68,6 +68,10 @@ SIGNATURES = {
     "kvmesh_silu_mul_f32": [_P, _P, _I, _I, _N],
     # (q, k, v, out, n, ctx, Hq, Hkv, D, scale, bq, bk, force_scalar, threads)
     "kvmesh_prefill_attention_f32": [_P] * 4 + [_I] * 5 + [_F, _I, _I, _N, _N],
+    # (q, k A, v A, keys in A, k B, v B, keys in B, ranges (n, 4), out, n, Hq, Hkv, D, scale,
+    #  bq, bk, force_scalar, threads)
+    "kvmesh_prefill_attention_runs_f32": [_P, _P, _P, _I, _P, _P, _I, _P, _P, _I, _I, _I, _I]
+    + [_F, _I, _I, _N, _N],
 }
 
 _lock = threading.Lock()

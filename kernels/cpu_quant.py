@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from kvmesh.kernels.cache_write import _check_write_args, write_kv_cache_torch
+from kvmesh.kernels.cache_write import _check_write_args
 from kvmesh.kernels.cpu_native import CpuKernelError, CpuLibrary, default_library
 from kvmesh.kernels.page_format import QUANT_FORMATS
 
@@ -89,6 +89,12 @@ def write_kv_cache_cpu(
         complete_src=complete_src,
     )
     R, n = residual_k.shape[0], complete_pages.shape[0]
+    if not (residual_k.is_contiguous() and residual_v.is_contiguous()):
+        raise ValueError("residual_k and residual_v must be contiguous")
+    # row views (R * bs, H, D): one index per row, so the gathers and the store below copy
+    # whole rows (index_select / index_copy_), 2-6x faster at decode sizes than indexing
+    # with (page, offset) pairs; the same bytes
+    rk, rv = residual_k.view(R * bs, H, D), residual_v.view(R * bs, H, D)
     if n:
         # the completing pages: earlier tokens from the residual, new ones from k/v (through
         # the residual dtype, like a tail token), assembled before the residual is written
@@ -97,20 +103,14 @@ def write_kv_cache_cpu(
         pos_res, pos_new = from_res.nonzero().squeeze(1), (~from_res).nonzero().squeeze(1)
         rows, toks = src[pos_res], src[pos_new] - R * bs
         full = []
-        for x, res in ((k, residual_k), (v, residual_v)):
+        for x, res in ((k, rk), (v, rv)):
             f = torch.empty((n * bs, H, D), dtype=torch.float32)
-            f[pos_res] = res[rows // bs, rows % bs]
-            f[pos_new] = x[toks].to(res.dtype).float()
+            f.index_copy_(0, pos_res, res.index_select(0, rows))
+            f.index_copy_(0, pos_new, x.index_select(0, toks).to(res.dtype).float())
             full.append(f.view(n, bs, H, D))
         quantize_pages_into(fmt, *full, cache, complete_pages, library=library)
-    write_kv_cache_torch(
-        fmt=fmt,
-        k=k,
-        v=v,
-        cache=cache,
-        residual_k=residual_k,
-        residual_v=residual_v,
-        residual_slots=residual_slots,
-        complete_pages=complete_pages[:0],
-        complete_src=complete_src[:0],
-    )
+    keep = (residual_slots >= 0).nonzero().squeeze(1)  # the new tokens' residual rows
+    if keep.numel():
+        rows = residual_slots.index_select(0, keep)
+        rk.index_copy_(0, rows, k.index_select(0, keep).to(rk.dtype))
+        rv.index_copy_(0, rows, v.index_select(0, keep).to(rv.dtype))

@@ -19,6 +19,14 @@ plus the kernel library's build (its file name hashes the sources, flags and CPU
 of another machine or another build is ignored and re-measured, a file that cannot be read
 is ignored with a warning and rewritten. ``KVMESH_PREFILL_ATTN`` pins ``sdpa`` or ``c``
 (default ``auto``).
+
+A chunk over a quantized cache (``worker.attention.own_page``) has its own choice, kind
+``own_page``: SDPA under the own-page mask over the dequantized complete pages followed by
+the exact pages (``cat``, then blocks of 256 queries), or the C kernel that reads the two
+runs of keys by per-query ranges (``prefill_attention_runs_cpu``), timed on a fresh chunk of
+the bucket's length (two residual pages of 16 tokens: the case with the most keys for SDPA)
+and cached under the same file with ``"kind": "own_page"``; ``KVMESH_PREFILL_ATTN`` pins
+both kinds.
 """
 
 from __future__ import annotations
@@ -48,6 +56,8 @@ MIN_TOKENS = 16
 MAX_TOKENS = 2048  # larger buckets use this one's measurement (timing 8k tokens takes seconds)
 MARGIN = 0.95  # the C kernel must take at most this fraction of SDPA's time
 ROUNDS = 7
+KINDS = ("causal", "own_page")
+OWN_PAGE_BS, OWN_PAGE_W = 16, 2  # the measured own-page geometry: pages, residual pages
 
 
 def token_bucket(n: int) -> int:
@@ -80,29 +90,37 @@ class PrefillTuner:
         self._lock = threading.Lock()
         self._choices: dict[tuple, bool] = {}
 
-    def _key(self, shape: tuple, tokens: int) -> dict:
-        return {
+    def _key(self, shape: tuple, tokens: int, kind: str) -> dict:
+        key = {
             "format": CACHE_FORMAT,
             "machine": machine_key(),
             "library": Path(self.library.path).name,
             "shape": list(shape),
             "tokens": tokens,
         }
+        if kind != "causal":  # causal entries keep the key they had before kinds existed
+            key["kind"] = kind
+        return key
 
-    def use_c(self, n: int, Hq: int, Hkv: int, D: int) -> bool:
+    def use_c(self, n: int, Hq: int, Hkv: int, D: int, kind: str = "causal") -> bool:
+        """``kind``: ``causal`` (a fresh chunk over float pages) or ``own_page`` (a chunk
+        over a quantized cache)."""
+        if kind not in KINDS:
+            raise ValueError(f"unknown prefill attention kind {kind!r}; accepted: {KINDS}")
         if self.mode != "auto":
             return self.mode == "c"
         tokens = token_bucket(n)
-        mem = (Hq, Hkv, D, tokens, torch.get_num_threads())
+        mem = (Hq, Hkv, D, tokens, torch.get_num_threads(), kind)
         with self._lock:
             got = self._choices.get(mem)
             if got is None:
-                key = self._key((Hq, Hkv, D), tokens)
+                key = self._key((Hq, Hkv, D), tokens, kind)
                 with self._file_lock():
                     entries = self._load()
                     choice = next((e["choice"] for e in entries if _matches(e, key)), None)
                     if choice is None:
-                        choice = self._measure(key, Hq, Hkv, D, tokens)
+                        measure = self._measure_own_page if kind == "own_page" else self._measure
+                        choice = measure(key, Hq, Hkv, D, tokens)
                         self._save([e for e in entries if not _matches(e, key, False)], key)
                 got = self._choices[mem] = choice == "c"
             return got
@@ -126,14 +144,61 @@ class PrefillTuner:
         def c():
             prefill_attention_cpu(q, k, v, scale, out=out, library=self.library)
 
-        t = self.timer({"sdpa": sdpa, "c": c}, ROUNDS)
+        return self._choose(key, {"sdpa": sdpa, "c": c}, Hq, Hkv, D, tokens)
+
+    def _measure_own_page(self, key: dict, Hq: int, Hkv: int, D: int, tokens: int) -> str:
+        """The own-page view of a fresh chunk of ``tokens`` tokens (pages of OWN_PAGE_BS,
+        OWN_PAGE_W residual pages): query p reads keys [0, E(p)) of the dequantized run
+        (length Lq) and [E(p), p] of the exact run, E(p) its window's first position.
+        SDPA as ``own_page_attention`` runs it (the two runs copied into one buffer, the
+        masked SDPA in blocks of 256 queries, the copy back to token-major) against the C
+        kernel reading the runs in place."""
+        from kvmesh.kernels.cpu_attention import prefill_attention_runs_cpu
+
+        bs, n = OWN_PAGE_BS, tokens
+        p = torch.arange(n)
+        first = (p // bs - OWN_PAGE_W + 1).clamp(min=0) * bs  # E(p)
+        lq, lx = int(first[-1]), -(-n // bs) * bs
+        ranges = torch.stack([torch.zeros_like(p), first, first, p + 1], dim=1)
+        j = torch.arange(lq + lx)[None, :]
+        mask = (j < first[:, None]) | ((j >= lq + first[:, None]) & (j <= lq + p[:, None]))
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(n, Hq, D, generator=g)
+        ka, va = (torch.randn(lq, Hkv, D, generator=g) for _ in range(2))
+        kb, vb = (torch.randn(lx, Hkv, D, generator=g) for _ in range(2))
+        out = torch.empty_like(q)
+        kk, vv = q.new_empty((lq + lx, Hkv, D)), q.new_empty((lq + lx, Hkv, D))
+        qq = q.transpose(0, 1).unsqueeze(0)
+        scale = D**-0.5
+
+        def sdpa():
+            kk[:lq], kk[lq:], vv[:lq], vv[lq:] = ka, kb, va, vb
+            k4, v4 = kk.transpose(0, 1).unsqueeze(0), vv.transpose(0, 1).unsqueeze(0)
+            o = torch.empty_like(qq)
+            for i in range(0, n, 256):
+                o[:, :, i : i + 256] = F.scaled_dot_product_attention(
+                    qq[:, :, i : i + 256], k4, v4, attn_mask=mask[i : i + 256], scale=scale,
+                    enable_gqa=Hq > Hkv,
+                )  # fmt: skip
+            out.copy_(o[0].transpose(0, 1))
+
+        def c():
+            prefill_attention_runs_cpu(
+                q, (ka, va), (kb, vb), ranges, scale, out=out, library=self.library
+            )
+
+        return self._choose(key, {"sdpa": sdpa, "c": c}, Hq, Hkv, D, tokens)
+
+    def _choose(self, key: dict, fns: dict, Hq: int, Hkv: int, D: int, tokens: int) -> str:
+        t = self.timer(fns, ROUNDS)
         choice = "c" if t["c"] <= MARGIN * t["sdpa"] else "sdpa"
         self.measured += 1
         key["choice"] = choice
         key["us"] = {n: round(x * 1e6, 1) for n, x in t.items()}
+        kind = " (own page)" if key.get("kind") == "own_page" else ""
         log.info(
-            "prefill attention Hq=%d Hkv=%d D=%d tokens<=%d: %s (median us: sdpa %g, c %g)",
-            Hq, Hkv, D, tokens, choice, key["us"]["sdpa"], key["us"]["c"],
+            "prefill attention%s Hq=%d Hkv=%d D=%d tokens<=%d: %s (median us: sdpa %g, c %g)",
+            kind, Hq, Hkv, D, tokens, choice, key["us"]["sdpa"], key["us"]["c"],
         )  # fmt: skip
         return choice
 
@@ -167,6 +232,7 @@ class PrefillTuner:
 
 def _matches(e: dict, key: dict, need_choice: bool = True) -> bool:
     same = all(e.get(k) == v for k, v in key.items() if k not in ("choice", "us"))
+    same = same and e.get("kind", "causal") == key.get("kind", "causal")
     return same and (not need_choice or e.get("choice") in CHOICES)
 
 

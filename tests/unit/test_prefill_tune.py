@@ -90,7 +90,31 @@ def test_margin_buckets_modes_and_bad_mode(lib, monkeypatch):
 def test_real_measurement_times_both(lib):
     t = PrefillTuner(lib)
     t.use_c(40, 4, 2, 64)
-    assert t.measured == 1
+    t.use_c(40, 4, 2, 64, kind="own_page")
+    assert t.measured == 2
+
+
+def test_kinds_are_cached_apart(tmp_path, lib, caplog):
+    """The own-page kind has its own entries: a causal choice never answers it, nor the
+    reverse; an unknown kind is named."""
+    path = tmp_path / "p.json"
+    with caplog.at_level(logging.INFO, logger="kvmesh.kernels.prefill_tune"):
+        assert PrefillTuner(lib, path, timer=FakeTimer(c=1.0)).use_c(100, 9, 3, 64)
+        timer = FakeTimer(c=3.0)
+        assert not PrefillTuner(lib, path, timer=timer).use_c(100, 9, 3, 64, kind="own_page")
+    assert timer.calls == 1
+    assert "prefill attention (own page) Hq=9 Hkv=3 D=64 tokens<=128: sdpa" in caplog.text
+    never = FakeTimer(c=9.0)
+    t = PrefillTuner(lib, path, timer=never)
+    assert t.use_c(100, 9, 3, 64) and not t.use_c(100, 9, 3, 64, kind="own_page")
+    assert never.calls == 0
+    entries = json.loads(path.read_text())["entries"]
+    assert sorted((e.get("kind", "causal"), e["choice"]) for e in entries) == [
+        ("causal", "c"),
+        ("own_page", "sdpa"),
+    ]
+    with pytest.raises(ValueError, match="kind 'paged'"):
+        t.use_c(100, 9, 3, 64, kind="paged")
 
 
 def _step(lens, Hkv=3, D=64, bs=16):
@@ -144,7 +168,9 @@ def test_backend_runs_the_chosen_kernel(lib, monkeypatch, window):
 
 def test_engine_start_measures_every_bucket_once(lib):
     """warm_up_prefill (called by the engine at start) chooses each bucket up to the step
-    budget, so no request waits on a measurement; nothing for bf16, int4 pages or a window."""
+    budget, so no request waits on a measurement: the causal kind for float pages, the
+    own-page kind for quantized ones (with a window too); nothing for bf16, or float pages
+    with a window."""
     be = TorchAttentionBackend(native=True)
     timer = FakeTimer()
     be._prefill_tuner = PrefillTuner(lib, timer=timer)
@@ -152,7 +178,14 @@ def test_engine_start_measures_every_bucket_once(lib):
     assert timer.calls == 6  # 16, 32, 64, 128, 256, 512
     be.warm_up_prefill(300, 9, 3, 64, torch.float32, "bf16")  # float pages: cached, no timing
     assert timer.calls == 6
-    for dtype, fmt, window in ((torch.bfloat16, "fp32", None), (torch.float32, "int4", None),
+    be.warm_up_prefill(300, 9, 3, 64, torch.float32, "int4")  # the own-page kind: 6 more
+    be.warm_up_prefill(300, 9, 3, 64, torch.float32, "int8")  # cached
+    assert timer.calls == 12
+    b = TorchAttentionBackend(sliding_window=64, native=True)
+    b._prefill_tuner = PrefillTuner(lib, timer=(t := FakeTimer()))
+    b.warm_up_prefill(300, 9, 3, 64, torch.float32, "int4")
+    assert t.calls == 6
+    for dtype, fmt, window in ((torch.bfloat16, "fp32", None), (torch.bfloat16, "int4", None),
                                (torch.float32, "fp32", 64)):  # fmt: skip
         b = TorchAttentionBackend(sliding_window=window, native=True)
         t = FakeTimer()
@@ -169,3 +202,28 @@ def test_engine_calls_the_prefill_warm_up(smol_src, monkeypatch):
 
     LLM("smollm2-135m-instruct", kv_cache_memory="16MiB", max_num_batched_tokens=64)
     assert seen == [(64, 9, 3, 64, torch.float32, "fp32")]
+
+
+@pytest.mark.parametrize("mode", ["c", "sdpa"])
+def test_engine_runs_the_chosen_own_page_kernel(smol_src, monkeypatch, mode):
+    """Over an int4 cache the cpu backend's prefill chunks run the one-pass C kernel when
+    it is chosen (``KVMESH_PREFILL_ATTN=c``), the masked SDPA when SDPA is."""
+    calls = []
+    real = cpu_attention.prefill_attention_runs_cpu
+
+    def spy(q, *a, **kw):
+        calls.append(q.shape[0])
+        return real(q, *a, **kw)
+
+    monkeypatch.setattr(cpu_attention, "prefill_attention_runs_cpu", spy)
+    monkeypatch.setenv("KVMESH_GEMM", "linear")  # no GEMM measurement: not what is tested
+    monkeypatch.setenv("KVMESH_PREFILL_ATTN", mode)
+    monkeypatch.setattr(prefill_tune, "_tuner", None)  # the mode is read with the tuner
+    from kvmesh.worker import LLM, SamplingParams
+
+    llm = LLM("smollm2-135m-instruct", kv_cache_dtype="int4", kv_cache_memory="16MiB")
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    out = llm.generate([list(range(100, 170))], params)[0]
+    assert len(out.token_ids) == 2
+    # one 70-token chunk per layer in C, or none
+    assert calls == ([70] * llm.engine.model_config.num_layers if mode == "c" else [])

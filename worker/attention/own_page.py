@@ -69,6 +69,24 @@ def own_page_mask(
     return torch.cat([mq, mx], dim=1)
 
 
+def own_page_ranges(
+    span: PrefillSpan, block_size: int, sliding_window: int | None = None
+) -> torch.Tensor:
+    """``own_page_mask`` as ranges, for the C kernel that reads the two runs of keys
+    (``kernels.cpu_attention.prefill_attention_runs_cpu``): (q_len, 4) int64 CPU, query
+    ``p`` reads quantized keys ``[r0, r1)`` (positions ``[0, E(p))``, ``E(p)`` its window's
+    first position) and exact keys ``[r2, r3)`` (positions ``[E(p), p]``, indices from E0);
+    both cut to the last ``sliding_window`` positions where set."""
+    bs = block_size
+    lq, e0, _ = own_page_geometry(span, bs)
+    p = torch.arange(span.context_len - span.q_len, span.context_len)  # (q_len,)
+    first = (_window_start(p // bs, span) * bs).clamp(max=lq)  # E(p): <= Lq
+    lo = torch.zeros_like(p) if sliding_window is None else (p - sliding_window + 1).clamp(min=0)
+    a0 = lo.clamp(max=first)
+    b0 = torch.maximum(first, lo) - e0
+    return torch.stack([a0, first, b0, p + 1 - e0], dim=1)
+
+
 def exact_own_pages(
     span: PrefillSpan,
     k: torch.Tensor,
@@ -92,13 +110,16 @@ def exact_own_pages(
         residual_page(span.request_slot, j, span.residual_pages)
         for j in range(e0 // bs, -(-(e0 + head) // bs))
     ]
+    ring_idx = torch.tensor(ring, dtype=torch.int64, device=residual_k.device)
     out = []
     for new, res in ((k, residual_k), (v, residual_v)):
-        x = res.new_zeros((lx, *res.shape[2:]))
+        # each row written once: the ring's pages (whole: their rows from ``head`` on are
+        # overwritten, a partial page's are not its tokens yet), the chunk, zeros after it
+        x = res.new_empty((lx, *res.shape[2:]))
         if head:
-            x[: len(ring) * bs] = res[ring].reshape(-1, *res.shape[2:])
-            x[head:] = 0  # a partial page's rows past ``head`` are not its tokens yet
-        x[head : head + n] = new[s : s + n].to(res.dtype)
+            torch.index_select(res, 0, ring_idx, out=x[: len(ring) * bs].view(-1, *res.shape[1:]))
+        x[head : head + n] = new[s : s + n]
+        x[head + n :] = 0
         out.append(x)
     return out[0], out[1]
 
@@ -108,16 +129,22 @@ def own_page_attention(
     exact: tuple[torch.Tensor, torch.Tensor],
     cache,
     span: PrefillSpan,
-    mask: torch.Tensor,
+    mask: torch.Tensor | None,
     scale: float,
     block_size: int,
     native: bool = False,
+    ranges: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A chunk's attention over a quantized cache (``cache`` a ``LayerCache``, after the
     step's write): ``q`` (q_len, Hq, D), ``exact`` from ``exact_own_pages``, ``mask`` from
-    ``own_page_mask``; returns (q_len, Hq, D) in q's dtype (V as stored: still rotated).
-    ``native``: int4 pages may be read by the C kernels (the ``cpu`` backend); the torch
-    reference backend and the Triton one leave it off and read them in torch."""
+    ``own_page_mask``; returns (q_len, Hq, D) in q's dtype (V as stored: still rotated),
+    in ``out`` if given. ``native``: int4 pages may be read by the C kernels (the ``cpu``
+    backend); the torch reference backend and the Triton one leave it off and read them in
+    torch. ``ranges`` (from ``own_page_ranges``; CPU float32 only): the C kernel reads the
+    dequantized pages and the exact ones where they lie, each query its two ranges, in one
+    pass (``kernels.cpu_attention.prefill_attention_runs_cpu``) instead of SDPA under
+    ``mask`` over their concatenation (then ``mask`` may be None)."""
     import torch.nn.functional as F
 
     from kvmesh.kernels.quant import dequantize_pages
@@ -126,23 +153,29 @@ def own_page_attention(
     pages = span.block_table[: lq // block_size]  # those some query reads quantized
     xk, xv = exact
     H, D = xk.shape[1:]
-    kk = q.new_empty((lq + xk.shape[0], H, D))  # the complete pages, then the exact ones
+    one_pass = ranges is not None
+    # the complete pages, then (for SDPA) the exact ones
+    kk = q.new_empty((lq + (0 if one_pass else xk.shape[0]), H, D))
     vv = torch.empty_like(kk)
     if not (native and _dequantize_in_c(cache, pages, q, kk[:lq], vv[:lq])):
         comps = {name: t.index_select(0, pages) for name, t in cache.views.items()}
         kq, vq = dequantize_pages(cache.cache_format, comps, q.dtype)  # (nq, bs, Hkv, D)
         kk[:lq] = kq.reshape(-1, H, D)
         vv[:lq] = vq.reshape(-1, H, D)
+    if one_pass:
+        from kvmesh.kernels.cpu_attention import prefill_attention_runs_cpu
+
+        return prefill_attention_runs_cpu(q, (kk, vv), (xk, xv), ranges, scale, out=out)
     kk[lq:] = xk
     vv[lq:] = xv
     kk, vv = kk.transpose(0, 1), vv.transpose(0, 1)  # (Hkv, L, D)
     qq = q.transpose(0, 1).unsqueeze(0)  # (1, Hq, n, D)
-    out = torch.empty_like(qq)
+    o = torch.empty_like(qq)
     # in blocks of queries: a masked SDPA may run the math kernel, whose scores are
     # (Hq, rows, L): a whole long chunk against a long context at once is gigabytes
     for i in range(0, qq.shape[2], OWN_PAGE_QUERY_BLOCK):
         j = i + OWN_PAGE_QUERY_BLOCK
-        out[:, :, i:j] = F.scaled_dot_product_attention(
+        o[:, :, i:j] = F.scaled_dot_product_attention(
             qq[:, :, i:j],
             kk.unsqueeze(0),
             vv.unsqueeze(0),
@@ -150,7 +183,10 @@ def own_page_attention(
             scale=scale,
             enable_gqa=q.shape[1] != H,
         )
-    return out[0].transpose(0, 1)
+    if out is None:
+        return o[0].transpose(0, 1)
+    out.copy_(o[0].transpose(0, 1))
+    return out
 
 
 def _dequantize_in_c(cache, pages: torch.Tensor, q: torch.Tensor, kk, vv) -> bool:

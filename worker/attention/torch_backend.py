@@ -37,6 +37,7 @@ from kvmesh.worker.attention.own_page import (
     exact_own_pages,
     own_page_attention,
     own_page_mask,
+    own_page_ranges,
 )
 
 
@@ -79,14 +80,13 @@ class TorchAttentionBackend(AttentionBackend):
                 mask &= pos[None, :] >= ctx - self.sliding_window
             self._decode_mask = mask[:, None, None, :]  # (B, 1, 1, L)
         self._prefill = []
+        self._own_page_views = {}  # (span index, "mask" | "ranges"): built on first use
         for span in meta.prefills:
             # nothing cached: causal over the new tokens, no gather (float formats only: a
             # quantized page must be read back as stored)
             fresh = span.context_len == span.q_len and not quantized
-            mask = None
-            if quantized:  # complete pages quantized, each query's own page exact
-                mask = own_page_mask(span, bs, dev, self.sliding_window)  # (q_len, Lq + Lx)
-            elif not fresh or self.sliding_window is not None:
+            mask = None  # quantized: the own-page mask or ranges, built in forward
+            if not quantized and (not fresh or self.sliding_window is not None):
                 mask = causal_prefill_mask(span, dev, self.sliding_window)  # (q_len, ctx)
             self._prefill.append((span, fresh, mask))
         if quantized:
@@ -113,22 +113,46 @@ class TorchAttentionBackend(AttentionBackend):
         return dequantize_pages(cache.cache_format, comps, dtype)
 
     def warm_up_prefill(self, max_tokens: int, Hq: int, Hkv: int, D: int, dtype, fmt: str):
-        """At engine start: choose SDPA or C for every token bucket a fresh prefill chunk can
-        have (up to the step budget), so no request waits on that measurement. Nothing to
-        choose without the C kernels, for another dtype, a quantized cache or a window."""
+        """At engine start: choose SDPA or C for every token bucket a prefill chunk can have
+        (up to the step budget), so no request waits on that measurement: a fresh chunk's
+        causal attention over float pages, or a chunk's own-page attention over a quantized
+        cache. Nothing to choose without the C kernels, for another dtype, or for float
+        pages with a window."""
         from kvmesh.kernels.page_format import QUANT_FORMATS
         from kvmesh.kernels.prefill_tune import MIN_TOKENS, token_bucket
 
-        if self._prefill_tuner is None or dtype != torch.float32 or fmt in QUANT_FORMATS:
+        if self._prefill_tuner is None or dtype != torch.float32:
             return
-        if self.sliding_window is not None:
+        kind = "own_page" if fmt in QUANT_FORMATS else "causal"
+        if self.sliding_window is not None and kind == "causal":
             return
         n = MIN_TOKENS
         while True:
-            self._prefill_tuner.use_c(n, Hq, Hkv, D)
+            self._prefill_tuner.use_c(n, Hq, Hkv, D, kind=kind)
             if n >= token_bucket(max_tokens):
                 return
             n *= 2
+
+    def _own_page_view(self, i: int, span, in_c: bool, device) -> torch.Tensor:
+        """Span i's own-page mask (q_len, Lq + Lx) for SDPA, or its ranges (q_len, 4) for
+        the C kernel: once per step, shared by the layers."""
+        key = (i, "ranges" if in_c else "mask")
+        got = self._own_page_views.get(key)
+        if got is None:
+            bs, sw = self._meta.block_size, self.sliding_window
+            got = own_page_ranges(span, bs, sw) if in_c else own_page_mask(span, bs, device, sw)
+            self._own_page_views[key] = got
+        return got
+
+    def _own_page_in_c(self, native: bool, q, n: int, Hkv: int, cache: LayerCache) -> bool:
+        """A chunk over a quantized cache in fp32 (fp32 residual) runs the one-pass C kernel
+        where it was measured faster than the masked SDPA (``kernels.prefill_tune``, kind
+        ``own_page``)."""
+        if not native or self._prefill_tuner is None or q.dtype != torch.float32:
+            return False
+        if cache.residual_k.dtype != torch.float32:
+            return False
+        return self._prefill_tuner.use_c(n, q.shape[1], Hkv, q.shape[2], kind="own_page")
 
     def _fresh_in_c(self, native: bool, mask, q, n: int, Hkv: int) -> bool:
         """A fresh causal chunk (no window) in fp32 runs the C kernel where it was measured
@@ -222,10 +246,12 @@ class TorchAttentionBackend(AttentionBackend):
                     continue
                 kk, vv = kk.transpose(0, 1).unsqueeze(0), vv.transpose(0, 1).unsqueeze(0)
             elif cache.quantized:  # the complete pages, then the chunk's own pages exact
-                o = own_page_attention(
-                    q[s : s + n], exact[i], cache, span, mask, scale, bs, native=native
-                )
-                out[s : s + n] = o
+                in_c = self._own_page_in_c(native, q, n, Hkv, cache)
+                view = self._own_page_view(i, span, in_c, q.device)
+                own_page_attention(
+                    q[s : s + n], exact[i], cache, span, None if in_c else view, scale, bs,
+                    native=native, ranges=view if in_c else None, out=out[s : s + n],
+                )  # fmt: skip
                 continue
             else:
                 ctx = span.context_len
