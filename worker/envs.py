@@ -51,9 +51,9 @@ def gemm_mode() -> str | None:
 
 
 def prefill_attn_mode() -> str:
-    """KVMESH_PREFILL_ATTN: the cpu backend's causal attention for a fresh prefill chunk,
-    and its own-page attention for a chunk over a quantized cache (``kernels.prefill_tune``):
-    ``auto`` (default: SDPA or the C kernel, whichever is
+    """KVMESH_PREFILL_ATTN: the cpu backend's causal attention for a prefill chunk over float
+    pages (fresh, or after context), and its own-page attention for a chunk over a quantized
+    cache (``kernels.prefill_tune``): ``auto`` (default: SDPA or the C kernel, whichever is
     measured faster on this machine, cached under KVMESH_AUTOTUNE_DIR), ``sdpa`` or ``c``."""
     v = _str("KVMESH_PREFILL_ATTN", "").strip().lower() or "auto"
     if v not in ("auto", "sdpa", "c"):

@@ -11,7 +11,12 @@ import torch
 from kvmesh.kernels import cpu_attention, prefill_tune
 from kvmesh.kernels.prefill_tune import PrefillTuner
 from kvmesh.worker import cpu_kernels
-from kvmesh.worker.attention.base import AttentionMetadata, LayerCache, PrefillSpan
+from kvmesh.worker.attention.base import (
+    AttentionMetadata,
+    LayerCache,
+    PrefillSpan,
+    causal_prefill_mask,
+)
 from kvmesh.worker.attention.torch_backend import TorchAttentionBackend
 
 
@@ -227,3 +232,54 @@ def test_engine_runs_the_chosen_own_page_kernel(smol_src, monkeypatch, mode):
     assert len(out.token_ids) == 2
     # one 70-token chunk per layer in C, or none
     assert calls == ([70] * llm.engine.model_config.num_layers if mode == "c" else [])
+
+
+@pytest.mark.parametrize("window", [None, 16])
+def test_a_chunk_after_context_runs_the_chosen_kernel(lib, monkeypatch, window):
+    """A chunk of 21 queries after 43 cached tokens (a prefix hit, or a later chunk): the C
+    kernel over the gathered pages (ctx > n) when chosen, equal to the masked SDPA; with a
+    window, the SDPA."""
+    calls = []
+    real = cpu_attention.prefill_attention_cpu
+
+    def spy(*a, **kw):
+        calls.append((a[0].shape[0], a[1].shape[0]))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(cpu_attention, "prefill_attention_cpu", spy)
+    bs, n, ctx = 16, 21, 64
+    g = torch.Generator().manual_seed(1)
+    cached_k, cached_v = (torch.randn(ctx - n, 3, 64, generator=g) for _ in range(2))
+    q, k, v = (torch.randn(n, h, 64, generator=g) for h in (9, 3, 3))
+    outs = {}
+    for mode in ("c", "sdpa"):
+        pool = {name: torch.zeros(5, bs, 3, 64) for name in ("k", "v")}
+        pool["k"].view(-1, 3, 64)[bs : bs + ctx - n] = cached_k  # pages 1..3, in order
+        pool["v"].view(-1, 3, 64)[bs : bs + ctx - n] = cached_v
+        cache = LayerCache("fp32", pool)
+        span = PrefillSpan(start=0, q_len=n, context_len=ctx, block_table=torch.arange(1, 5))
+        meta = AttentionMetadata(
+            slot_mapping=bs + torch.arange(ctx - n, ctx),
+            num_decode=0,
+            decode_block_tables=torch.zeros(0, 1, dtype=torch.int64),
+            decode_context_lens=torch.zeros(0, dtype=torch.int64),
+            prefills=[span],
+            block_size=bs,
+        )
+        be = TorchAttentionBackend(sliding_window=window, native=True)
+        be._prefill_tuner = PrefillTuner(lib, mode=mode)
+        be.prepare(meta)
+        outs[mode] = be.forward(q, k, v, cache, 0.125)
+    assert calls == ([] if window else [(n, ctx)])
+    torch.testing.assert_close(outs["c"], outs["sdpa"], rtol=0, atol=2e-5)
+    # and the SDPA path is the reference: every query sees the cached keys and its own
+    keys, vals = torch.cat([cached_k, k]), torch.cat([cached_v, v])
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None].double(),
+        keys.transpose(0, 1)[None].double(),
+        vals.transpose(0, 1)[None].double(),
+        attn_mask=causal_prefill_mask(span, torch.device("cpu"), window),
+        scale=0.125,
+        enable_gqa=True,
+    )[0].transpose(0, 1)
+    torch.testing.assert_close(outs["sdpa"].double(), ref, rtol=0, atol=2e-5)

@@ -163,6 +163,15 @@ class TorchAttentionBackend(AttentionBackend):
             return False
         return self._prefill_tuner.use_c(n, q.shape[1], Hkv, q.shape[2])
 
+    def _context_in_c(self, native: bool, q, n: int, Hkv: int) -> bool:
+        """A chunk after cached or earlier-chunk context over float pages (no window): the
+        same C kernel, its queries at the end of the context, where it beat SDPA on a fresh
+        chunk of this many queries. The SDPA it replaces here is the masked one over every
+        context key, which does more work than the fresh chunk's causal SDPA."""
+        if self.sliding_window is not None:
+            return False
+        return self._fresh_in_c(native, None, q, n, Hkv)
+
     def forward(self, q, k, v, cache: LayerCache, scale):
         meta = self._meta
         assert meta is not None, "prepare() must be called before forward()"
@@ -256,8 +265,13 @@ class TorchAttentionBackend(AttentionBackend):
             else:
                 ctx = span.context_len
                 kk, vv = self._read_pages(cache, span.block_table, q.dtype)  # (P, bs, Hkv, D)
-                kk = kk.view(-1, Hkv, D)[:ctx].transpose(0, 1).unsqueeze(0)  # (1, Hkv, ctx, D)
-                vv = vv.view(-1, Hkv, D)[:ctx].transpose(0, 1).unsqueeze(0)
+                kk, vv = kk.view(-1, Hkv, D)[:ctx], vv.view(-1, Hkv, D)[:ctx]  # (ctx, Hkv, D)
+                if self._context_in_c(native, q, n, Hkv):
+                    from kvmesh.kernels.cpu_attention import prefill_attention_cpu
+
+                    prefill_attention_cpu(q[s : s + n], kk, vv, scale, out=out[s : s + n])
+                    continue
+                kk, vv = kk.transpose(0, 1).unsqueeze(0), vv.transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(
                 qq,
                 kk,
