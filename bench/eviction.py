@@ -343,6 +343,7 @@ def bench_throughput(args, ids: list[int]) -> dict:
     # of SnapKV's greedy outputs are still the full cache's, token for token, and how many
     # leading tokens agree on average
     full, snap = tokens[base], tokens["snapkv@0.25"]
+    out["snapkv_outputs_base"] = base
     out["snapkv_outputs_equal_full"] = sum(a == b for a, b in zip(full, snap))
     common = [
         next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))

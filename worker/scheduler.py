@@ -10,10 +10,13 @@ the front of the queue, to be recomputed later.
 Admission is optimistic: a waiting request is admitted when its prompt fits. Once a
 preemption shows the pool overcommitted, that would thrash (admit a request, compute its
 prompt, preempt it when the others grow, admit it again): from then on, until the queue
-drains, a waiting request is admitted only if the running requests' and its own remaining
-output still fit beside it, counted at ``preemption_reserve`` of each one's remaining
-``max_tokens`` (doubled at each further preemption, up to all of it; a KV budget bounds
-what a request can grow to). A request that runs alone is always admitted.
+drains, a waiting request is admitted only if the running requests' and its own growth
+still fits beside it: the rest of each one's prompt, and ``preemption_reserve`` of the
+output each is expected to produce still (its remaining ``max_tokens``, capped by the
+finished requests' mean output), doubled at a step with further preemptions, up to all of
+it. A KV budget bounds what a compacted request holds; before its compaction it holds its
+whole prompt and then a copy of what it keeps. A request that runs alone is always
+admitted.
 
 The scheduler never talks to a tier. It asks the KV connector (worker/kv_connector.py)
 whether the tiers can supply more of a waiting request's prefix; a request being promoted
@@ -59,6 +62,9 @@ class Scheduler:
         # the share of each request's remaining output admission keeps pages for: 0 until a
         # preemption, back to 0 when the queue drains (see the module docstring)
         self.reserve_ratio = 0.0
+        self.mean_output: float | None = None  # moving mean of finished requests' outputs
+        self._steps = 0
+        self._raised_at = -1  # the step the share was last raised in
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -76,27 +82,41 @@ class Scheduler:
             self.connector.on_preempted(victim)
         victim.num_preemptions += 1
         self.num_preemptions += 1
-        r = self.config.preemption_reserve
-        self.reserve_ratio = min(1.0, 2 * self.reserve_ratio) if self.reserve_ratio else r
+        if self._raised_at != self._steps:  # once a step, however many it preempts
+            self._raised_at = self._steps
+            r = self.config.preemption_reserve
+            self.reserve_ratio = min(1.0, 2 * self.reserve_ratio) if self.reserve_ratio else r
         self.waiting.appendleft(victim)
         out.preempted.append(victim)
         return victim
 
     def _pages_to_grow(self, req: Request, held: int) -> int:
-        """Pages ``req`` still needs, beyond ``held``, to produce ``reserve_ratio`` of its
-        remaining output."""
+        """Pages ``req`` still needs, beyond ``held``, for the rest of its prompt and
+        ``reserve_ratio`` of the output it is expected to produce still: its remaining
+        ``max_tokens``, but no more than the finished requests' mean output beyond what it
+        has produced (a request without ``max_tokens`` would otherwise count the whole
+        ``max_model_len``); before any request finished, no more than a step's token budget.
+        The last output token is never written to the cache."""
         bs = self.kv.block_size
-        left = min(
-            req.params.max_tokens - len(req.output_token_ids),
-            self.config.max_model_len - req.num_tokens,
-        )
-        end = req.num_tokens - req.num_evicted + math.ceil(max(left, 0) * self.reserve_ratio)
-        pages = -(-end // bs)
-        if req.kv_budget is not None:  # its cache never holds more (docs/eviction.md)
-            pages = min(pages, -(-req.kv_budget // bs) + 1)
+        done = len(req.output_token_ids)
+        left = min(req.params.max_tokens - done, self.config.max_model_len - req.num_tokens)
+        if self.mean_output is None:
+            expected = self.config.max_num_batched_tokens
+        else:
+            expected = max(self.mean_output - done, bs)
+        grow = math.ceil(max(min(left, expected) - 1, 0) * self.reserve_ratio)
+        pages = -(-(req.num_tokens - req.num_evicted + grow) // bs)
+        if req.kv_budget is not None:  # docs/eviction.md: at most ceil(B / bs) + 1 pages
+            cap = -(-req.kv_budget // bs) + 1
+            if req.num_evicted == 0 and req.num_prompt_tokens > req.kv_budget:
+                # not compacted yet: the whole prompt, then the copy of what it keeps
+                pages = -(-req.num_prompt_tokens // bs) + cap
+            else:
+                pages = min(pages, cap)
         return max(0, pages - held)
 
     def schedule(self) -> SchedulerOutput:
+        self._steps += 1
         if not self.waiting:
             self.reserve_ratio = 0.0
         out = SchedulerOutput()
@@ -171,6 +191,13 @@ class Scheduler:
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Remove a running or waiting request and free its pages at once."""
         req.status = status
+        if req.output_token_ids and status in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+        ):
+            n = len(req.output_token_ids)
+            m = self.mean_output
+            self.mean_output = float(n) if m is None else 0.9 * m + 0.1 * n
         if self.connector is not None:
             self.connector.on_finished(req)
         if req in self.running:

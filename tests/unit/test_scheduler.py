@@ -370,10 +370,53 @@ def test_admission_after_a_preemption_keeps_room_for_the_running_requests_to_gro
 def test_the_reserve_counts_a_kv_budget_as_the_most_a_request_can_hold():
     s = make_sched(num_pages=64)
     s.reserve_ratio = 1.0
+    s.mean_output = 1000.0  # finished requests ran long: max_tokens is what bounds these
     r = Request("b", list(range(40)), SamplingParams(max_tokens=100), BS, FP)
-    assert s._pages_to_grow(r, 10) == 25  # 140 tokens at the end: 35 pages
+    assert s._pages_to_grow(r, 10) == 25  # 40 + 99 written tokens at the end: 35 pages
     r.kv_budget = 20
-    assert s._pages_to_grow(r, 3) == 3  # at most ceil(20 / 4) + 1 = 6 pages
+    # not compacted yet: its 10 prompt pages, then a copy of the 6 it keeps
+    assert s._pages_to_grow(r, 3) == 10 + 6 - 3
+    r.num_evicted = 20  # compacted: never more than ceil(20 / 4) + 1 = 6 pages
+    assert s._pages_to_grow(r, 3) == 3
+    r.kv_budget, r.num_evicted = None, 0
     s.reserve_ratio = 0.5
-    r.kv_budget = None
     assert s._pages_to_grow(r, 10) == 13  # 40 + 50 tokens: 23 pages
+    s.mean_output = 30.0  # requests stop after ~30 tokens: 15 of the remaining 99 counted
+    assert s._pages_to_grow(r, 10) == 14 - 10  # 40 + 15 tokens: 14 pages
+    for t in range(28):  # 28 done: 2 more expected, at least a page's worth (4) counted
+        r.append_token(t)
+    assert s._pages_to_grow(r, 17) == 1  # 68 + ceil(3 / 2) tokens: 18 pages
+
+
+def test_a_standing_queue_of_requests_without_max_tokens_keeps_its_concurrency():
+    # Chat requests without max_tokens (the HTTP API's default) stop at EOS, here after 64
+    # tokens. Counting their whole max_model_len after a preemption would run a few at
+    # a time; the finished requests' mean output bounds what is counted.
+    def run(reserve: float) -> tuple[float, int]:
+        kv = KVCacheManager(1025, 16, EventLog("engine-0"), enable_prefix_caching=False)
+        cfg = SchedulerConfig(
+            max_num_seqs=128, max_num_batched_tokens=512, preemption_reserve=reserve
+        )
+        s = Scheduler(cfg, kv)
+        unlimited = SamplingParams(max_tokens=2**31 - 1)
+        for i in range(200):
+            s.add(Request(f"r{i}", list(range(i * 300, i * 300 + 256)), unlimited, 16, FP))
+        running, steps = 0, 0
+        while s.has_unfinished():
+            out = s.schedule()
+            steps += 1
+            running += len(s.running)
+            for req, n in out.scheduled:
+                req.num_computed_tokens += n
+            for req, _ in out.scheduled:
+                if req.num_computed_tokens == req.num_tokens:
+                    req.append_token(1)
+            for r in list(s.running):
+                if len(r.output_token_ids) >= 64:
+                    s.finish(r, RequestStatus.FINISHED_STOPPED)
+        return running / steps, s.num_preemptions
+
+    optimistic, _ = run(0.0)
+    reserved, preemptions = run(0.5)
+    assert preemptions >= 1  # the reserve was armed
+    assert reserved >= 0.8 * optimistic
