@@ -230,6 +230,26 @@ def dequantize_int4_pages_cpu(
         raise ValueError(f"int4 pages need an even head_size divisible by its group, got {D}")
 
 
+def _prefill_out(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """Where a prefill kernel writes: ``out`` itself when it is contiguous, else a buffer
+    copied into it after (``_prefill_done``)."""
+    o = out if out is not None and out.is_contiguous() else torch.empty_like(q)
+    if o.shape != q.shape or o.dtype != torch.float32:
+        raise ValueError(f"out must be float32 {tuple(q.shape)}, got {o.dtype} {tuple(o.shape)}")
+    return o
+
+
+def _prefill_done(rc: int, o: torch.Tensor, out: torch.Tensor | None, rejected: str):
+    if rc == 1:
+        raise MemoryError("the CPU prefill attention kernel could not allocate its scratch")
+    if rc:
+        raise ValueError(rejected)
+    if out is not None and o is not out:
+        out.copy_(o)
+        return out
+    return o
+
+
 def prefill_attention_cpu(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -266,22 +286,15 @@ def prefill_attention_cpu(
         if t.dtype != torch.float32 or t.device.type != "cpu":
             raise ValueError(f"{name} must be a CPU float32 tensor, got {t.dtype} on {t.device}")
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    o = out if out is not None and out.is_contiguous() else torch.empty_like(q)
-    if o.shape != q.shape or o.dtype != torch.float32:
-        raise ValueError(f"out must be float32 {tuple(q.shape)}, got {o.dtype} {tuple(o.shape)}")
+    o = _prefill_out(q, out)
     fn = (library or default_library()).fn("kvmesh_prefill_attention_f32")
     rc = fn(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), n, ctx, Hq, Hkv, D,
         float(scale), block_q, block_k, int(force_scalar), torch.get_num_threads(),
     )  # fmt: skip
-    if rc == 1:
-        raise MemoryError("the CPU prefill attention kernel could not allocate its scratch")
-    if rc:
-        raise ValueError(f"the CPU prefill kernel rejected the shapes (block_k {block_k})")
-    if out is not None and o is not out:
-        out.copy_(o)
-        return out
-    return o
+    return _prefill_done(
+        rc, o, out, f"the CPU prefill kernel rejected the shapes (block_k {block_k})"
+    )
 
 
 def prefill_attention_runs_cpu(
@@ -326,23 +339,17 @@ def prefill_attention_runs_cpu(
         raise ValueError(f"ranges must be ({n}, 4) int64, got {ranges.dtype} {tuple(ranges.shape)}")
     q, ka, va, kb, vb = (t.contiguous() for t in (q, ka, va, kb, vb))
     rg = ranges.contiguous()
-    o = out if out is not None and out.is_contiguous() else torch.empty_like(q)
-    if o.shape != q.shape or o.dtype != torch.float32:
-        raise ValueError(f"out must be float32 {tuple(q.shape)}, got {o.dtype} {tuple(o.shape)}")
+    o = _prefill_out(q, out)
     fn = (library or default_library()).fn("kvmesh_prefill_attention_runs_f32")
     rc = fn(
         q.data_ptr(), ka.data_ptr(), va.data_ptr(), ka.shape[0], kb.data_ptr(), vb.data_ptr(),
         kb.shape[0], rg.data_ptr(), o.data_ptr(), n, Hq, Hkv, D, float(scale), block_q, block_k,
         int(force_scalar), torch.get_num_threads(),
     )  # fmt: skip
-    if rc == 1:
-        raise MemoryError("the CPU prefill attention kernel could not allocate its scratch")
-    if rc:
-        raise ValueError(
-            f"ranges must lie within the runs ({ka.shape[0]} and {kb.shape[0]} keys) with every "
-            "query reading at least one key"
-        )
-    if out is not None and o is not out:
-        out.copy_(o)
-        return out
-    return o
+    return _prefill_done(
+        rc,
+        o,
+        out,
+        f"ranges must lie within the runs ({ka.shape[0]} and {kb.shape[0]} keys) with every "
+        "query reading at least one key",
+    )

@@ -16,3 +16,28 @@ if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
         "set it in the environment or at the top of tests/conftest.py"
     )
 os.environ["TRITON_INTERPRET"] = "1"
+
+
+import pytest  # noqa: E402  (after TRITON_INTERPRET is set)
+from builds import host_builds, native_vector_bits  # noqa: E402
+
+from kvmesh.kernels import cpu_native  # noqa: E402
+from kvmesh.worker import envs  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def libraries(tmp_path_factory):
+    """Every C kernel build this host runs (tests/kernels/builds.py). No compiler is a
+    failure that says how to install one, not a skip. The native build must vectorise where
+    the CPU has AVX2 (+FMA, F16C) or AVX-512."""
+    d = tmp_path_factory.getbasetemp() / "cpu-kernels"  # one build per flag set per session
+    cc = envs.c_compiler()
+    builds = {
+        name: cpu_native.CpuLibrary(cpu_native.compile_library(build_dir=d, cc=cc, flags=f))
+        for name, f in host_builds().items()
+    }
+    assert builds["native"].vector_bits == native_vector_bits()
+    if "avx2" in builds:
+        assert builds["avx2"].vector_bits == 256
+    assert builds["portable"].vector_bits == 0
+    return builds

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from builds import host_builds, native_vector_bits
+from builds import host_builds
 from kvsim import KVSim
 from test_decode_attention import _dense_decode
 
@@ -22,24 +22,6 @@ TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
 BUILDS = list(host_builds())  # native, AVX2 where the CPU has it, portable
-
-
-@pytest.fixture(scope="module")
-def libraries(tmp_path_factory):
-    """Every build this host runs (tests/kernels/builds.py). No compiler is a failure that
-    says how to install one, not a skip. The native build must vectorise where the CPU has
-    AVX2 (+FMA, F16C) or AVX-512."""
-    d = tmp_path_factory.getbasetemp() / "cpu-kernels"  # one build per flag set per session
-    cc = envs.c_compiler()
-    builds = {
-        name: cpu_native.CpuLibrary(cpu_native.compile_library(build_dir=d, cc=cc, flags=f))
-        for name, f in host_builds().items()
-    }
-    assert builds["native"].vector_bits == native_vector_bits()
-    if "avx2" in builds:
-        assert builds["avx2"].vector_bits == 256
-    assert builds["portable"].vector_bits == 0
-    return builds
 
 
 def _sim(fmt, Hkv, D, steps, seed, bs=16, num_pages=40, max_pages=6):

@@ -11,25 +11,13 @@ import torch
 import torch.nn.functional as F
 from builds import host_builds
 
-from kvmesh.kernels import cpu_native
 from kvmesh.kernels.cpu_attention import prefill_attention_runs_cpu
-from kvmesh.worker import envs
 from kvmesh.worker.attention.base import PrefillSpan
 from kvmesh.worker.attention.own_page import own_page_geometry, own_page_mask, own_page_ranges
 
 ATOL = 2e-5
 BS = 16
 BUILDS = list(host_builds())
-
-
-@pytest.fixture(scope="module")
-def libraries(tmp_path_factory):
-    d = tmp_path_factory.getbasetemp() / "cpu-kernels"  # shared with test_cpu_attention
-    cc = envs.c_compiler()
-    return {
-        name: cpu_native.CpuLibrary(cpu_native.compile_library(build_dir=d, cc=cc, flags=f))
-        for name, f in host_builds().items()
-    }
 
 
 def _span(q_len: int, ctx: int, W: int, ring_from: int = 0) -> PrefillSpan:

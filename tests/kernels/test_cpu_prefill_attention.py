@@ -11,22 +11,10 @@ import torch
 import torch.nn.functional as F
 from builds import host_builds
 
-from kvmesh.kernels import cpu_native
 from kvmesh.kernels.cpu_attention import prefill_attention_cpu
-from kvmesh.worker import envs
 
 ATOL = 2e-5
 BUILDS = list(host_builds())
-
-
-@pytest.fixture(scope="module")
-def libraries(tmp_path_factory):
-    d = tmp_path_factory.getbasetemp() / "cpu-kernels"  # shared with test_cpu_attention
-    cc = envs.c_compiler()
-    return {
-        name: cpu_native.CpuLibrary(cpu_native.compile_library(build_dir=d, cc=cc, flags=f))
-        for name, f in host_builds().items()
-    }
 
 
 def sdpa_twin(q, k, v, scale):

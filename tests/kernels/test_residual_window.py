@@ -13,7 +13,6 @@ a named page from the pool, or a wrong slot, returns NaN or a different result."
 import pytest
 import torch
 from builds import host_builds
-from test_cpu_attention import libraries  # noqa: F401  (the module's build fixture)
 
 from kvmesh.kernels import cpu_attention
 from kvmesh.kernels.decode_attention import (
@@ -132,7 +131,7 @@ def test_triton_matches_twin(fmt, W):
 @pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("fmt", ["int4", "int8", "fp8"])
 @pytest.mark.parametrize("W", [1, 2, 3])
-def test_cpu_kernel_matches_twin(libraries, build, fmt, W):  # noqa: F811
+def test_cpu_kernel_matches_twin(libraries, build, fmt, W):
     """D = 64 with 4 query heads per KV head: int4 takes the vector builds' fast step on
     pool pages, split accumulators put back for a residual page and split again for a pool
     page after it (the (50, (1,)) sequence at W = 3)."""
@@ -149,7 +148,7 @@ def test_cpu_kernel_matches_twin(libraries, build, fmt, W):  # noqa: F811
 
 
 @pytest.mark.parametrize("build", BUILDS)
-def test_cpu_kernel_sequences_split_over_threads(libraries, build):  # noqa: F811
+def test_cpu_kernel_sequences_split_over_threads(libraries, build):
     """Fewer sequences than two per thread: the C kernel cuts a sequence's pages into parts;
     the ring's pages (and a pool page after one) still come from the right place."""
     threads = torch.get_num_threads()
@@ -167,7 +166,7 @@ def test_cpu_kernel_sequences_split_over_threads(libraries, build):  # noqa: F81
         torch.set_num_threads(threads)
 
 
-def test_one_dimensional_slots_keep_their_meaning(libraries):  # noqa: F811
+def test_one_dimensional_slots_keep_their_meaning(libraries):
     """(B,) slots are the W = 1 form: the partial page's slot, unread where ctx % bs == 0."""
     ctx = torch.tensor([69, 64, 7])
     one = torch.tensor([4, 2, 0])
@@ -187,7 +186,7 @@ def test_one_dimensional_slots_keep_their_meaning(libraries):  # noqa: F811
         torch.testing.assert_close(run(q=q, scale=0.3, **args_1d, **extra), want)
 
 
-def test_bad_residual_slots_are_named(libraries):  # noqa: F811
+def test_bad_residual_slots_are_named(libraries):
     args, _ = _ring_cache("int8", 2, [(40, ()), (20, ())], Hkv=2, D=32, seed=4)
     q = _q(2, 4, 32, 4)
     bad = [
