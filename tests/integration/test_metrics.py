@@ -357,7 +357,17 @@ def test_kvmesh_top_shows_every_worker_and_exits_on_ctrl_c(cluster, traffic):
         for w in workers:
             assert w in text, f"no row for {w}:\n{text[-3000:]}"
         proc.send_signal(signal.SIGINT)  # Ctrl-C
-        rc = proc.wait(timeout=15)
+        # keep reading the terminal while it exits, as a terminal does: a full pty would
+        # block its last frame's write (and the exit behind it) for as long as no one reads
+        deadline = time.monotonic() + 15
+        while proc.poll() is None and time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 0.2)
+            if ready:
+                try:
+                    seen += os.read(master, 65536)
+                except OSError:
+                    break
+        rc = proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
         try:
             while True:
                 ready, _, _ = select.select([master], [], [], 0.2)
