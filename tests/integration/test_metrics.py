@@ -340,42 +340,37 @@ def test_kvmesh_top_shows_every_worker_and_exits_on_ctrl_c(cluster, traffic):
     )
     os.close(slave)
     seen = b""
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([master], [], [], 0.5)
-            if ready:
-                try:
-                    seen += os.read(master, 65536)
-                except OSError:
-                    break
-            text = seen.decode(errors="replace")
-            if text.count("kvmesh top") >= 3 and all(w in text for w in workers):
-                break
-        text = seen.decode(errors="replace")
-        assert text.count("kvmesh top") >= 3, text[-3000:]  # refreshed
-        for w in workers:
-            assert w in text, f"no row for {w}:\n{text[-3000:]}"
-        proc.send_signal(signal.SIGINT)  # Ctrl-C
-        # keep reading the terminal while it exits, as a terminal does: a full pty would
-        # block its last frame's write (and the exit behind it) for as long as no one reads
-        deadline = time.monotonic() + 15
-        while proc.poll() is None and time.monotonic() < deadline:
-            ready, _, _ = select.select([master], [], [], 0.2)
-            if ready:
-                try:
-                    seen += os.read(master, 65536)
-                except OSError:
-                    break
-        rc = proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-        try:
-            while True:
-                ready, _, _ = select.select([master], [], [], 0.2)
-                if not ready:
-                    break
+
+    def read_until(done, seconds: float, poll: float) -> None:
+        """Read the terminal until ``done()``, ``seconds`` pass or it has nothing for
+        ``poll`` seconds after ``done`` is None."""
+        nonlocal seen
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not (done and done()):
+            ready, _, _ = select.select([master], [], [], poll)
+            if not ready:
+                if done is None:
+                    return
+                continue
+            try:
                 seen += os.read(master, 65536)
-        except OSError:
-            pass
+            except OSError:
+                return
+
+    try:
+        text = lambda: seen.decode(errors="replace")  # noqa: E731
+        read_until(
+            lambda: text().count("kvmesh top") >= 3 and all(w in text() for w in workers), 60, 0.5
+        )
+        assert text().count("kvmesh top") >= 3, text()[-3000:]  # refreshed
+        for w in workers:
+            assert w in text(), f"no row for {w}:\n{text()[-3000:]}"
+        proc.send_signal(signal.SIGINT)  # Ctrl-C
+        # keep reading the terminal while it exits, as a terminal does: a pty no one reads
+        # can block its last write (and the exit behind it)
+        read_until(lambda: proc.poll() is not None, 15, 0.2)
+        rc = proc.wait(timeout=1)
+        read_until(None, 5, 0.2)  # what it wrote last
         tail = seen.decode(errors="replace")[-3000:]
         assert rc == 0, tail
         assert "Traceback" not in tail, tail
