@@ -7,12 +7,12 @@ import logging
 import sys
 
 from kvmesh.worker import envs
-from kvmesh.worker.config import DEFAULT_RESIDUAL_PAGES
+from kvmesh.worker.defaults import DEFAULT_RESIDUAL_PAGES
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     """The model and its formats: every command that builds an engine takes these."""
-    from kvmesh.worker.models.loader import DEFAULT_MODEL
+    from kvmesh.worker.defaults import DEFAULT_MODEL
 
     p.add_argument(
         "--model", default=DEFAULT_MODEL, help="registered name, .gguf file or HF folder"

@@ -12,6 +12,7 @@ from decimal import Decimal
 import torch
 
 from kvmesh.kernels.page_format import CACHE_FORMATS
+from kvmesh.worker.defaults import DEFAULT_RESIDUAL_PAGES, MAX_RESIDUAL_PAGES
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {
@@ -59,10 +60,6 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 KV_CACHE_DTYPES = CACHE_FORMATS  # auto, fp32, fp16, bf16, fp8, int8, int4
-# quantized formats: full-precision pages per running request (docs/formats.md): 2 halves
-# int4's KL to fp32 over 1 (measured on tinyshakespeare, the tuning text; issue 23)
-DEFAULT_RESIDUAL_PAGES = 2
-MAX_RESIDUAL_PAGES = 64
 
 
 @dataclass(frozen=True)

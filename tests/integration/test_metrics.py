@@ -320,7 +320,7 @@ def test_kvmesh_top_shows_every_worker_and_exits_on_ctrl_c(cluster, traffic):
     workers = list(cluster.stats()["workers"])
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 220, 0, 0))
-    env = dict(os.environ, TERM="xterm-256color")
+    env = dict(os.environ, TERM="xterm-256color", PYTHONFAULTHANDLER="1")
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -342,19 +342,20 @@ def test_kvmesh_top_shows_every_worker_and_exits_on_ctrl_c(cluster, traffic):
     seen = b""
 
     def read_until(done, seconds: float, poll: float) -> None:
-        """Read the terminal until ``done()``, ``seconds`` pass or it has nothing for
-        ``poll`` seconds after ``done`` is None."""
+        """Read the terminal until ``done()`` or ``seconds`` pass; with ``done`` None, until
+        it has nothing for ``poll`` seconds. A terminal the process has closed reads EIO
+        before the process has exited: then wait for ``done`` without reading."""
         nonlocal seen
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline and not (done and done()):
-            ready, _, _ = select.select([master], [], [], poll)
-            if not ready:
-                if done is None:
-                    return
-                continue
             try:
-                seen += os.read(master, 65536)
+                ready, _, _ = select.select([master], [], [], poll)
+                if ready:
+                    seen += os.read(master, 65536)
+                    continue
             except OSError:
+                time.sleep(poll)
+            if done is None:
                 return
 
     try:
@@ -369,10 +370,13 @@ def test_kvmesh_top_shows_every_worker_and_exits_on_ctrl_c(cluster, traffic):
         # keep reading the terminal while it exits, as a terminal does: a pty no one reads
         # can block its last write (and the exit behind it)
         read_until(lambda: proc.poll() is not None, 15, 0.2)
-        rc = proc.wait(timeout=1)
+        if proc.poll() is None:  # a hang: its threads' stacks (PYTHONFAULTHANDLER) to the pty
+            proc.send_signal(signal.SIGABRT)
+            read_until(lambda: proc.poll() is not None, 5, 0.2)
+            pytest.fail(f"kvmesh top still running 15 s after Ctrl-C:\n{text()[-6000:]}")
         read_until(None, 5, 0.2)  # what it wrote last
-        tail = seen.decode(errors="replace")[-3000:]
-        assert rc == 0, tail
+        tail = text()[-3000:]
+        assert proc.returncode == 0, tail
         assert "Traceback" not in tail, tail
     finally:
         if proc.poll() is None:

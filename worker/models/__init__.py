@@ -4,9 +4,12 @@ Each builder imports its module lazily."""
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from kvmesh.worker.models.config import MLA_ARCHITECTURES, ModelConfig
+
+if TYPE_CHECKING:  # torch loads with a model, not with the command line's parser
+    import torch
 
 
 def build_model(cfg: ModelConfig, src, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:

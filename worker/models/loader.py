@@ -20,12 +20,11 @@ from pathlib import Path
 import torch
 
 from kvmesh.worker import envs
+from kvmesh.worker.defaults import DEFAULT_MODEL  # noqa: F401  (re-exported)
 from kvmesh.worker.models.config import ModelConfig
 from kvmesh.worker.models.gguf_file import GGUFFile
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 @dataclass(frozen=True)
