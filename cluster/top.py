@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import threading
 import time
 import urllib.request
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -99,7 +99,6 @@ class TopModel:
         self.address = address
         self.timeout = timeout
         self._prev: dict[str, tuple[float, Samples]] = {}
-        self._pool = ThreadPoolExecutor(8, thread_name_prefix="kvmesh-top")
 
     def frame(self) -> tuple[Samples, list[WorkerRow]]:
         router = scrape(self.address, self.timeout)
@@ -119,7 +118,7 @@ class TopModel:
 
         rows = []
         now = time.monotonic()
-        for labels, samples, err in self._pool.map(one, info):
+        for labels, samples, err in _in_daemon_threads(one, info):
             row = WorkerRow(labels["worker"], labels.get("name", ""))
             if samples is None:
                 row.error = err
@@ -157,7 +156,33 @@ class TopModel:
         row.ttft_p50 = histogram_quantile(0.5, ttft)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False)
+        """Nothing to release: scrapes run in daemon threads, which an exit never waits for."""
+
+
+def _in_daemon_threads(fn, items: list) -> list:
+    """``[fn(x) for x in items]``, one daemon thread each. Unlike a ThreadPoolExecutor's
+    workers, which the interpreter joins at exit, a scrape still in flight when Ctrl-C
+    lands does not hold up the exit."""
+    out: list = [None] * len(items)
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            out[i] = fn(items[i])
+        except BaseException as e:  # raised in the caller's thread, below
+            errors.append(e)
+
+    threads = [
+        threading.Thread(target=run, args=(i,), name=f"kvmesh-top-{i}", daemon=True)
+        for i in range(len(items))
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out
 
 
 def render(address: str, router: Samples, rows: list[WorkerRow]):
