@@ -24,9 +24,9 @@ A chunk over a quantized cache (``worker.attention.own_page``) has its own choic
 ``own_page``: SDPA under the own-page mask over the dequantized complete pages followed by
 the exact pages (``cat``, then blocks of 256 queries), or the C kernel that reads the two
 runs of keys by per-query ranges (``prefill_attention_runs_cpu``), timed on a fresh chunk of
-the bucket's length (two residual pages of 16 tokens: the case with the most keys for SDPA)
-and cached under the same file with ``"kind": "own_page"``; ``KVMESH_PREFILL_ATTN`` pins
-both kinds.
+the bucket's length at the cache's page size and residual pages (``"page": [bs, W]`` in the
+entry; a cache of another geometry is timed apart) and cached under the same file with
+``"kind": "own_page"``; ``KVMESH_PREFILL_ATTN`` pins both kinds.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ MAX_TOKENS = 2048  # larger buckets use this one's measurement (timing 8k tokens
 MARGIN = 0.95  # the C kernel must take at most this fraction of SDPA's time
 ROUNDS = 7
 KINDS = ("causal", "own_page")
-OWN_PAGE_BS, OWN_PAGE_W = 16, 2  # the measured own-page geometry: pages, residual pages
+OWN_PAGE_BS, OWN_PAGE_W = 16, 2  # the default own-page geometry: page size, residual pages
 
 
 def token_bucket(n: int) -> int:
@@ -90,7 +90,7 @@ class PrefillTuner:
         self._lock = threading.Lock()
         self._choices: dict[tuple, bool] = {}
 
-    def _key(self, shape: tuple, tokens: int, kind: str) -> dict:
+    def _key(self, shape: tuple, tokens: int, kind: str, page: tuple | None = None) -> dict:
         key = {
             "format": CACHE_FORMAT,
             "machine": machine_key(),
@@ -100,27 +100,40 @@ class PrefillTuner:
         }
         if kind != "causal":  # causal entries keep the key they had before kinds existed
             key["kind"] = kind
+        if page is not None:  # own_page: the page size and residual pages it was timed at
+            key["page"] = list(page)
         return key
 
-    def use_c(self, n: int, Hq: int, Hkv: int, D: int, kind: str = "causal") -> bool:
+    def use_c(
+        self, n: int, Hq: int, Hkv: int, D: int, kind: str = "causal", page: tuple | None = None
+    ) -> bool:
         """``kind``: ``causal`` (a fresh chunk over float pages) or ``own_page`` (a chunk
-        over a quantized cache)."""
+        over a quantized cache; ``page``: its cache's (block size, residual pages), timed and
+        cached apart, default (OWN_PAGE_BS, OWN_PAGE_W))."""
         if kind not in KINDS:
             raise ValueError(f"unknown prefill attention kind {kind!r}; accepted: {KINDS}")
+        if kind == "own_page":
+            page = (OWN_PAGE_BS, OWN_PAGE_W) if page is None else tuple(int(x) for x in page)
+            if len(page) != 2 or min(page) < 1:
+                raise ValueError(f"page must be (block size, residual pages) >= 1, got {page}")
+        else:
+            page = None
         if self.mode != "auto":
             return self.mode == "c"
         tokens = token_bucket(n)
-        mem = (Hq, Hkv, D, tokens, torch.get_num_threads(), kind)
+        mem = (Hq, Hkv, D, tokens, torch.get_num_threads(), kind, page)
         with self._lock:
             got = self._choices.get(mem)
             if got is None:
-                key = self._key((Hq, Hkv, D), tokens, kind)
+                key = self._key((Hq, Hkv, D), tokens, kind, page)
                 with self._file_lock():
                     entries = self._load()
                     choice = next((e["choice"] for e in entries if _matches(e, key)), None)
                     if choice is None:
-                        measure = self._measure_own_page if kind == "own_page" else self._measure
-                        choice = measure(key, Hq, Hkv, D, tokens)
+                        if kind == "own_page":
+                            choice = self._measure_own_page(key, Hq, Hkv, D, tokens, *page)
+                        else:
+                            choice = self._measure(key, Hq, Hkv, D, tokens)
                         self._save([e for e in entries if not _matches(e, key, False)], key)
                 got = self._choices[mem] = choice == "c"
             return got
@@ -146,18 +159,20 @@ class PrefillTuner:
 
         return self._choose(key, {"sdpa": sdpa, "c": c}, Hq, Hkv, D, tokens)
 
-    def _measure_own_page(self, key: dict, Hq: int, Hkv: int, D: int, tokens: int) -> str:
-        """The own-page view of a fresh chunk of ``tokens`` tokens (pages of OWN_PAGE_BS,
-        OWN_PAGE_W residual pages): query p reads keys [0, E(p)) of the dequantized run
+    def _measure_own_page(
+        self, key: dict, Hq: int, Hkv: int, D: int, tokens: int, bs: int, W: int
+    ) -> str:
+        """The own-page view of a fresh chunk of ``tokens`` tokens (pages of ``bs`` tokens,
+        ``W`` residual pages): query p reads keys [0, E(p)) of the dequantized run
         (length Lq) and [E(p), p] of the exact run, E(p) its window's first position.
         SDPA as ``own_page_attention`` runs it (the two runs copied into one buffer, the
         masked SDPA in blocks of 256 queries, the copy back to token-major) against the C
         kernel reading the runs in place."""
         from kvmesh.kernels.cpu_attention import prefill_attention_runs_cpu
 
-        bs, n = OWN_PAGE_BS, tokens
+        n = tokens
         p = torch.arange(n)
-        first = (p // bs - OWN_PAGE_W + 1).clamp(min=0) * bs  # E(p)
+        first = (p // bs - W + 1).clamp(min=0) * bs  # E(p)
         lq, lx = int(first[-1]), -(-n // bs) * bs
         ranges = torch.stack([torch.zeros_like(p), first, first, p + 1], dim=1)
         j = torch.arange(lq + lx)[None, :]

@@ -245,6 +245,7 @@ class LLMEngine:
                 self.backend.warm_up_prefill(
                     max_num_batched_tokens, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                     self.dtype, self.layout.cache_format,
+                    (self.cache_config.block_size, kv_residual_pages),
                 )  # fmt: skip
         # per-request KV budgets (worker/eviction): the runner's backend also shows the
         # requests that ask their attention weights

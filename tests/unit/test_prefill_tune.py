@@ -122,6 +122,32 @@ def test_kinds_are_cached_apart(tmp_path, lib, caplog):
         t.use_c(100, 9, 3, 64, kind="paged")
 
 
+def test_the_own_page_kind_is_cached_per_page_size_and_residual_pages(tmp_path, lib):
+    """A choice timed at 16-token pages and 2 residual pages does not answer a cache of
+    32-token pages or of 3 residual pages: each is measured (at its own geometry) and kept."""
+    path = tmp_path / "p.json"
+    PrefillTuner(lib, path, timer=FakeTimer(c=1.0)).use_c(100, 9, 3, 64, "own_page", (16, 2))
+    never = FakeTimer(c=9.0)
+    assert PrefillTuner(lib, path, timer=never).use_c(100, 9, 3, 64, "own_page")  # the default
+    assert never.calls == 0
+    timer = FakeTimer(c=3.0)
+    t = PrefillTuner(lib, path, timer=timer)
+    assert not t.use_c(100, 9, 3, 64, "own_page", (32, 2))
+    assert not t.use_c(100, 9, 3, 64, "own_page", (16, 3))
+    assert timer.calls == 2
+    pages = sorted(e["page"] for e in json.loads(path.read_text())["entries"])
+    assert pages == [[16, 2], [16, 3], [32, 2]]
+    with pytest.raises(ValueError, match="block size, residual pages"):
+        t.use_c(100, 9, 3, 64, "own_page", (16, 0))
+
+
+def test_the_own_page_measurement_runs_at_the_given_geometry(lib):
+    t = PrefillTuner(lib)
+    for page in ((8, 1), (32, 3)):
+        t.use_c(70, 4, 2, 64, kind="own_page", page=page)
+    assert t.measured == 2
+
+
 def _step(lens, Hkv=3, D=64, bs=16):
     """One step of fresh prefills (no decode) over an fp32 page pool."""
     pages = sum(-(-n // bs) for n in lens) + 1
@@ -206,7 +232,7 @@ def test_engine_calls_the_prefill_warm_up(smol_src, monkeypatch):
     from kvmesh.worker import LLM
 
     LLM("smollm2-135m-instruct", kv_cache_memory="16MiB", max_num_batched_tokens=64)
-    assert seen == [(64, 9, 3, 64, torch.float32, "fp32")]
+    assert seen == [(64, 9, 3, 64, torch.float32, "fp32", (16, 2))]  # (block size, W)
 
 
 @pytest.mark.parametrize("mode", ["c", "sdpa"])

@@ -112,12 +112,14 @@ class TorchAttentionBackend(AttentionBackend):
         comps = {name: t.index_select(0, pages) for name, t in cache.views.items()}
         return dequantize_pages(cache.cache_format, comps, dtype)
 
-    def warm_up_prefill(self, max_tokens: int, Hq: int, Hkv: int, D: int, dtype, fmt: str):
+    def warm_up_prefill(
+        self, max_tokens: int, Hq: int, Hkv: int, D: int, dtype, fmt: str, page=None
+    ):
         """At engine start: choose SDPA or C for every token bucket a prefill chunk can have
         (up to the step budget), so no request waits on that measurement: a fresh chunk's
         causal attention over float pages, or a chunk's own-page attention over a quantized
         cache. Nothing to choose without the C kernels, for another dtype, or for float
-        pages with a window."""
+        pages with a window. ``page``: a quantized cache's (block size, residual pages)."""
         from kvmesh.kernels.page_format import QUANT_FORMATS
         from kvmesh.kernels.prefill_tune import MIN_TOKENS, token_bucket
 
@@ -128,7 +130,7 @@ class TorchAttentionBackend(AttentionBackend):
             return
         n = MIN_TOKENS
         while True:
-            self._prefill_tuner.use_c(n, Hq, Hkv, D, kind=kind)
+            self._prefill_tuner.use_c(n, Hq, Hkv, D, kind=kind, page=page)
             if n >= token_bucket(max_tokens):
                 return
             n *= 2
@@ -152,7 +154,8 @@ class TorchAttentionBackend(AttentionBackend):
             return False
         if cache.residual_k.dtype != torch.float32:
             return False
-        return self._prefill_tuner.use_c(n, q.shape[1], Hkv, q.shape[2], kind="own_page")
+        page = (self._meta.block_size, cache.residual_pages)
+        return self._prefill_tuner.use_c(n, q.shape[1], Hkv, q.shape[2], "own_page", page)
 
     def _fresh_in_c(self, native: bool, mask, q, n: int, Hkv: int) -> bool:
         """A fresh causal chunk (no window) in fp32 runs the C kernel where it was measured
