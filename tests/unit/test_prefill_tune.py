@@ -235,10 +235,11 @@ def test_engine_calls_the_prefill_warm_up(smol_src, monkeypatch):
     assert seen == [(64, 9, 3, 64, torch.float32, "fp32", (16, 2))]  # (block size, W)
 
 
-@pytest.mark.parametrize("mode", ["c", "sdpa"])
-def test_engine_runs_the_chosen_own_page_kernel(smol_src, monkeypatch, mode):
+def test_engine_runs_the_chosen_own_page_kernel(smol_src, monkeypatch):
     """Over an int4 cache the cpu backend's prefill chunks run the one-pass C kernel when
-    it is chosen (``KVMESH_PREFILL_ATTN=c``), the masked SDPA when SDPA is."""
+    it is chosen (``KVMESH_PREFILL_ATTN=c``), the masked SDPA when SDPA is; both give the
+    same tokens, and log-probabilities equal within float rounding (the kernel sums in
+    another order than SDPA)."""
     calls = []
     real = cpu_attention.prefill_attention_runs_cpu
 
@@ -248,16 +249,25 @@ def test_engine_runs_the_chosen_own_page_kernel(smol_src, monkeypatch, mode):
 
     monkeypatch.setattr(cpu_attention, "prefill_attention_runs_cpu", spy)
     monkeypatch.setenv("KVMESH_GEMM", "linear")  # no GEMM measurement: not what is tested
-    monkeypatch.setenv("KVMESH_PREFILL_ATTN", mode)
-    monkeypatch.setattr(prefill_tune, "_tuner", None)  # the mode is read with the tuner
     from kvmesh.worker import LLM, SamplingParams
 
-    llm = LLM("smollm2-135m-instruct", kv_cache_dtype="int4", kv_cache_memory="16MiB")
-    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-    out = llm.generate([list(range(100, 170))], params)[0]
-    assert len(out.token_ids) == 2
-    # one 70-token chunk per layer in C, or none
-    assert calls == ([70] * llm.engine.model_config.num_layers if mode == "c" else [])
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=True)
+    got = {}
+    for mode in ("c", "sdpa"):
+        calls.clear()
+        monkeypatch.setenv("KVMESH_PREFILL_ATTN", mode)
+        monkeypatch.setattr(prefill_tune, "_tuner", None)  # the mode is read with the tuner
+        llm = LLM("smollm2-135m-instruct", kv_cache_dtype="int4", kv_cache_memory="16MiB")
+        # 70 tokens: pages 0-1 are read dequantized by the queries of pages 3-4 (W = 2)
+        got[mode] = llm.generate([list(range(100, 170))], params)[0]
+        layers = llm.engine.model_config.num_layers
+        # one 70-token chunk per layer in C, or none
+        assert calls == ([70] * layers if mode == "c" else []), mode
+        del llm
+    assert got["c"].token_ids == got["sdpa"].token_ids
+    c, sdpa = (torch.tensor(got[m].logprobs) for m in ("c", "sdpa"))
+    torch.testing.assert_close(c, sdpa, atol=1e-3, rtol=0)
+    assert not torch.equal(torch.zeros_like(c), c)  # logprobs were returned
 
 
 @pytest.mark.parametrize("window", [None, 16])
