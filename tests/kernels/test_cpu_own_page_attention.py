@@ -3,7 +3,7 @@ own-page view of a chunk over a quantized cache, against its twin: ``own_page_ma
 over ``cat(quantized run, exact run)`` in float64. Every build this host runs (native, AVX2
 where the CPU has it, portable) and the scalar loop forced on the native build; W = 1, 2, 3,
 a restored prefix (``ring_from`` > 0), chunks that start mid-page, a fresh chunk, a sliding
-window, G = 1 and 3, D = 64 and 128, block sizes that cut pages. Bound: 2e-5 absolute on
+window, G = 1, 3, 4 and 8 (MQA too), D = 32, 64, 80, 96 and 128, block sizes that cut pages. Bound: 2e-5 absolute on
 unit-normal inputs, as the causal kernel's tests."""
 
 import pytest
@@ -67,6 +67,18 @@ SPANS = [  # (q_len, context_len, W, ring_from)
 def test_matches_masked_sdpa(libraries, build, q_len, ctx, W, ring_from, Hq, Hkv, D):
     span = _span(q_len, ctx, W, ring_from)
     q, a, b, ranges, want = _case(span, Hq, Hkv, D)
+    got = prefill_attention_runs_cpu(q, a, b, ranges, D**-0.5, library=libraries[build])
+    torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("q_len,ctx,W,ring_from", [SPANS[3], SPANS[5]])
+@pytest.mark.parametrize(
+    "Hq,Hkv,D", [(8, 1, 64), (16, 2, 64), (12, 2, 80), (6, 2, 96), (8, 4, 32)]
+)  # MQA, G = 8, and the head sizes other model families use
+def test_head_geometries(libraries, build, q_len, ctx, W, ring_from, Hq, Hkv, D):
+    span = _span(q_len, ctx, W, ring_from)
+    q, a, b, ranges, want = _case(span, Hq, Hkv, D, seed=1)
     got = prefill_attention_runs_cpu(q, a, b, ranges, D**-0.5, library=libraries[build])
     torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
 
