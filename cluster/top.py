@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import signal
 import threading
 import time
 import urllib.request
@@ -260,6 +261,7 @@ def run_top(address: str, interval: float = 1.0, iterations: int = 0) -> int:
     from rich.live import Live
     from rich.text import Text
 
+    _ctrl_c_exits()
     console = Console()
     model = TopModel(address)
     frames = 0
@@ -279,6 +281,15 @@ def run_top(address: str, interval: float = 1.0, iterations: int = 0) -> int:
         return 0
     finally:
         model.close()
+
+
+def _ctrl_c_exits() -> None:
+    """Ctrl-C ends this interactive view even when its launcher ignored SIGINT (a script's
+    ``cmd &`` without job control starts it ignored, and a child inherits that) or blocked
+    it; Python keeps an inherited SIG_IGN, and the view would sleep through every Ctrl-C."""
+    if threading.current_thread() is threading.main_thread():
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def add_top_parser(subparsers) -> argparse.ArgumentParser:

@@ -321,17 +321,12 @@ def test_kvmesh_top_shows_every_worker_and_exits_on_ctrl_c(cluster, traffic):
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 220, 0, 0))
     env = dict(os.environ, TERM="xterm-256color", PYTHONFAULTHANDLER="1")
+    top = [sys.executable, "-m", "kvmesh.cluster.cli", "top", "--address", address,
+           "--interval", "0.5"]  # fmt: skip
+    # started with SIGINT ignored, as a script's `cmd &` starts it (and as pytest itself
+    # may have been started): Ctrl-C must end it all the same
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvmesh.cluster.cli",
-            "top",
-            "--address",
-            address,
-            "--interval",
-            "0.5",
-        ],  # fmt: skip
+        ["sh", "-c", 'trap "" INT; exec "$@"', "sh", *top],
         stdin=slave,
         stdout=slave,
         stderr=slave,
