@@ -57,6 +57,13 @@ SIGNATURES = {
     "kvmesh_decode_attention_quant": [_N] + [_P] * 13 + [_I] * 8 + [_F, _I, _N],
     # (fmt, k, v, n, bs, H, D, page ids, 6 component bases, page stride in bytes, threads)
     "kvmesh_quantize_pages": [_N, _P, _P] + [_I] * 4 + [_P] * 7 + [_I, _N],
+    # (fmt, k, v, k row stride, v row stride, T, residual rows, residual k, v, R, n, complete
+    #  pages, complete src, pool pages, bs, H, D, 6 component bases, page stride in bytes,
+    #  threads)
+    "kvmesh_write_kv_quant": [_N, _P, _P, _I, _I, _I, _P, _P, _P, _I, _I, _P, _P]
+    + [_I] * 4
+    + [_P] * 6
+    + [_I, _N],
     # (k, k_scale, k_zero, v, v_scale, v_zero, page stride in bytes, page ids, n, bs, H, D,
     #  k out, v out, threads)
     "kvmesh_dequantize_int4_pages": [_P] * 6 + [_I, _P] + [_I] * 4 + [_P, _P, _N],
