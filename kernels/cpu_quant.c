@@ -233,6 +233,8 @@ int kvmesh_quantize_pages(int fmt, const float *k, const float *v, int64_t n, in
     return 0;
 }
 
+void kvmesh_hadamard_rows_(float *x, int64_t n, int64_t D, int64_t block, float scale);
+
 /* One layer's write of a step over a quantized cache with an fp32 residual ring, in one call
  * (kernels/cache_write.py's write_kv_cache_torch is the twin, kernels/cpu_quant.py the caller):
  *   1. the n completing pages are assembled, token by token, from complete_src (n, bs): a
@@ -241,15 +243,21 @@ int kvmesh_quantize_pages(int fmt, const float *k, const float *v, int64_t n, in
  *   2. each new token t with res_rows[t] >= 0 is stored into that residual row.
  * k, v: T new tokens, row t at k + t * k_row (H * D contiguous floats each: the fused qkv
  * output's K columns need no copy); rk, rv: the residual rows (R * bs, H, D) contiguous.
- * Every index is checked before anything is written. Returns 0; 2 for a format or head size
- * the quantizer cannot take; 4 for an index out of range; 1 if the scratch cannot be had. */
+ * v_rot_block > 0: the new V rows are first rotated as kvmesh_hadamard_f32(v, v_rot_block,
+ * v_rot_scale) rotates them (int4 keeps V rotated; the same bits), in a scratch copy.
+ * Every index is checked before anything is written. Returns 0; 2 for a format, head size or
+ * rotation block the kernel cannot take; 4 for an index out of range; 1 if the scratch
+ * cannot be had. */
 int kvmesh_write_kv_quant(int fmt, const float *k, const float *v, int64_t k_row, int64_t v_row,
                           int64_t T, const int64_t *res_rows, float *rk, float *rv, int64_t R,
                           int64_t n, const int64_t *complete_pages, const int64_t *complete_src,
                           int64_t num_pages, int64_t bs, int64_t H, int64_t D, uint8_t *kd,
                           uint8_t *ks, uint8_t *kz, uint8_t *vd, uint8_t *vs, uint8_t *vz,
-                          int64_t page_stride, int num_threads) {
+                          int64_t page_stride, int num_threads, int64_t v_rot_block,
+                          float v_rot_scale) {
     if (bad_format(fmt, D)) return 2;
+    if (v_rot_block < 0 || (v_rot_block & (v_rot_block - 1)) || (v_rot_block && D % v_rot_block))
+        return 2;
     const int64_t HD = H * D, rows = R * bs;
     for (int64_t t = 0; t < T; t++)
         if (res_rows[t] >= rows) return 4;
@@ -260,9 +268,20 @@ int kvmesh_write_kv_quant(int fmt, const float *k, const float *v, int64_t k_row
             if (src < 0 || src >= rows + T) return 4;
         }
     }
+    float *vrot = NULL;
+    if (v_rot_block && T) {
+        if (!(vrot = malloc(sizeof(float) * T * HD))) return 1;
+        for (int64_t t = 0; t < T; t++) memcpy(vrot + t * HD, v + t * v_row, sizeof(float) * HD);
+        kvmesh_hadamard_rows_(vrot, T * H, D, v_rot_block, v_rot_scale);
+        v = vrot;
+        v_row = HD;
+    }
     if (n) {
         float *full = malloc(sizeof(float) * 2 * n * bs * HD);
-        if (!full) return 1;
+        if (!full) {
+            free(vrot);
+            return 1;
+        }
         float *fk = full, *fv = full + n * bs * HD;
         for (int64_t r = 0; r < n * bs; r++) {
             const int64_t src = complete_src[r];
@@ -281,5 +300,6 @@ int kvmesh_write_kv_quant(int fmt, const float *k, const float *v, int64_t k_row
         memcpy(rk + r * HD, k + t * k_row, sizeof(float) * HD);
         memcpy(rv + r * HD, v + t * v_row, sizeof(float) * HD);
     }
+    free(vrot);
     return 0;
 }

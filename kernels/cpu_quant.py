@@ -73,10 +73,13 @@ def write_kv_cache_cpu(
     complete_pages: torch.Tensor,
     complete_src: torch.Tensor,
     library: CpuLibrary | None = None,
+    v_rotation: int | None = None,
 ) -> None:
     """``write_kv_cache_torch`` for quantized formats with an fp32 residual, in one C call
     (``kvmesh_write_kv_quant``): the same bytes in the pool and the residual (the quantizer
-    as ``quantize_pages_into``)."""
+    as ``quantize_pages_into``). ``v_rotation``: a block size; v is first rotated as
+    ``quant.hadamard_transform(v, v_rotation)`` rotates it (int4 keeps V rotated), in C, bit
+    for bit, so the caller need not (v as given is not changed)."""
     bs, H, D = _check_write_args(
         fmt=fmt,
         k=k,
@@ -106,6 +109,9 @@ def write_kv_cache_cpu(
     for name, t in cache.items():
         if t.stride(0) * t.element_size() != stride or not t[0].is_contiguous():
             raise ValueError(f"view {name!r} is not a dense component of a page-major pool")
+    rot = int(v_rotation or 0)
+    if rot < 0 or rot & (rot - 1) or (rot and D % rot):
+        raise ValueError(f"v_rotation must be a power of two dividing {D}, got {v_rotation}")
     T = k.shape[0]
     rows, pages, src = residual_slots.contiguous(), complete_pages.contiguous(), complete_src
     src = src.contiguous()
@@ -113,7 +119,8 @@ def write_kv_cache_cpu(
     rc = (library or default_library()).fn("kvmesh_write_kv_quant")(
         _CODES[fmt], k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), T, rows.data_ptr(),
         residual_k.data_ptr(), residual_v.data_ptr(), R, n, pages.data_ptr(), src.data_ptr(),
-        cache["k"].shape[0], bs, H, D, *ptr, stride, torch.get_num_threads(),
+        cache["k"].shape[0], bs, H, D, *ptr, stride, torch.get_num_threads(), rot,
+        1.0 / rot**0.5 if rot else 0.0,
     )  # fmt: skip
     if rc == 4:
         raise ValueError(

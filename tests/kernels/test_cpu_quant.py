@@ -167,3 +167,25 @@ def test_writer_names_out_of_range_indices(lib):
     with pytest.raises(ValueError, match="out of range"):
         cpu_quant.write_kv_cache_cpu(**bad, library=lib)
     assert torch.equal(sim.buf, before[0]) and torch.equal(sim.residual, before[1])
+
+
+def test_writer_rotating_v_equals_rotating_before_it(lib):
+    """``v_rotation``: the writer rotates the new V rows itself (int4's Hadamard, in C), as
+    the backend's separate rotation before the write did: the same pool and ring bytes, and
+    the caller's v untouched."""
+    from kvmesh.kernels.cpu_attention import hadamard_cpu
+
+    H, D = 3, 64
+    sims = [KVSim("int4", H=H, D=D, seed=8, num_reqs=3) for _ in range(2)]
+    for new in ([17, 1, 40], [1, 1, 1], [15, 14, 8]):
+        kws = [s.step(new) for s in sims]
+        for kw in kws:
+            kw.pop("slot_mapping")
+        v0 = kws[1]["v"].clone()
+        cpu_quant.write_kv_cache_cpu(**dict(kws[0], v=hadamard_cpu(kws[0]["v"], D)), library=lib)
+        cpu_quant.write_kv_cache_cpu(**kws[1], library=lib, v_rotation=D)
+        assert torch.equal(kws[1]["v"], v0)
+    assert torch.equal(sims[0].buf, sims[1].buf)
+    assert torch.equal(sims[0].residual, sims[1].residual)
+    with pytest.raises(ValueError, match="v_rotation must be a power of two"):
+        cpu_quant.write_kv_cache_cpu(**kws[1], library=lib, v_rotation=48)
