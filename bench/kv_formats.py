@@ -22,8 +22,12 @@ also runs through the real engine on SmolLM2, with ``auto`` as the baseline in t
   English prose nothing in kvmesh was tuned on (7 windows of 1,024 tokens); and, where this
   machine has it, Newton's *Opticks* from the apache-tvm-ffi wheel's test data
   (``OPTICKS``), a third text nothing was tuned on;
-* decode throughput: ``--decode-prompts`` prompts of 128 tokens, ``--decode-tokens`` greedy
-  output tokens each, submitted together; output tokens/s and the ratio to ``auto``.
+* decode throughput: ``--decode-prompts`` prompts of ``--decode-prompt-tokens`` (128)
+  tokens, ``--decode-tokens`` greedy output tokens each, submitted together; output tokens/s
+  over the whole run (prefill included: the issue-21 target's figure) and over the steps
+  after the last prefill, the process's CPU seconds for each, and the ratios to ``auto``.
+  ``--decode-prompt-tokens 1024`` is the long-context row, where a step's KV reads are a real
+  share of its bytes; ``--formats auto,int4`` runs only those engines.
 
 The ``mla`` section (``bench/kv_formats_mla.py``; ``--no-mla`` skips it, ``--mla-only`` runs
 only it) covers DeepSeek-style latent pages: bytes per token and tokens per GiB against a GQA
@@ -44,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -93,17 +98,64 @@ else:
 ENGINE_FORMATS = ("auto", "fp16", "fp8", "int8", "int4")
 
 
+def decode_row(llm, text: str, args) -> dict:
+    """The decode workload: ``--decode-prompts`` prompts of ``--decode-prompt-tokens`` tokens
+    (cut from ``text``), ``--decode-tokens`` greedy tokens each, submitted together.
+    ``decode_tokens_per_s``: output tokens over the whole run, prompts' prefill included (the
+    issue-21 target's figure); ``decode_only_tokens_per_s``: the tokens after every request's
+    first over the steps after the last prefill (at long prompts the prefill would dominate
+    the first figure); ``*_cpu_s``: the process's CPU seconds for each (on a loaded machine
+    wall time measures the load, CPU time the work: with ``KVMESH_NUM_THREADS=1`` no OpenMP
+    spin-wait is in it)."""
+    from kvmesh.worker import SamplingParams
+
+    eng = llm.engine
+    n, plen, new = args.decode_prompts, args.decode_prompt_tokens, args.decode_tokens
+    ids = eng.tokenizer.encode(text[100_000 : 100_000 + 8 * n * plen])
+    if len(ids) < n * plen:
+        raise SystemExit(f"the text holds {len(ids)} tokens, {n} x {plen} asked")
+    prompts = [ids[i * plen : (i + 1) * plen] for i in range(n)]
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(max_tokens=2))  # warm-up
+    reqs = [eng.make_request(p, params) for p in prompts]
+    for r in reqs:
+        eng.add(r, check_queue=False)
+    t0, c0 = time.perf_counter(), time.process_time()
+    t1 = c1 = None  # when every request has its first token
+    while eng.has_unfinished_requests():
+        eng.step()
+        if t1 is None and all(r.output_token_ids for r in reqs):
+            t1, c1 = time.perf_counter(), time.process_time()
+    t2, c2 = time.perf_counter(), time.process_time()
+    return {
+        "decode_prompt_tokens": plen,
+        "decode_tokens_per_s": n * new / (t2 - t0),
+        "decode_cpu_s": c2 - c0,
+        "decode_only_tokens_per_s": n * (new - 1) / (t2 - t1),
+        "decode_only_cpu_s": c2 - c1,
+        "decode_load_1min": os.getloadavg()[0],
+    }
+
+
+def kv_memory(args) -> str:
+    """512 MiB, or what the decode rows' requests need in fp32 pages with a fifth spare."""
+    fp32_bytes_per_token = 2 * args.layers * args.kv_heads * args.head_size * 4
+    tokens = args.decode_prompts * (args.decode_prompt_tokens + args.decode_tokens + 16)
+    return f"{max(512, int(tokens * fp32_bytes_per_token * 1.2 / 2**20) + 1)}MiB"
+
+
 def engine_rows(args) -> dict:
-    from kvmesh.worker import LLM, SamplingParams
+    from kvmesh.worker import LLM
     from kvmesh.worker.eval import evaluate_perplexity
 
     texts = {name: path.read_text() for name, path in TEXTS.items()}
     rows: dict = {}
-    for fmt in ENGINE_FORMATS:
+    want = {"auto", *args.formats.split(",")}
+    for fmt in (f for f in ENGINE_FORMATS if f in want):
         llm = LLM(
             "smollm2-135m-instruct",
             kv_cache_dtype=fmt,
-            kv_cache_memory="512MiB",
+            kv_cache_memory=kv_memory(args),
             max_num_batched_tokens=256,
             enable_prefix_caching=False,
         )
@@ -117,13 +169,7 @@ def engine_rows(args) -> dict:
             row[f"ppl_{name}"] = res.ppl
             row[f"ppl_windows_{name}"] = res.windows
             row[f"window_nll_{name}"] = res.window_nll
-        ids = eng.tokenizer.encode(texts["tinyshakespeare"][100_000:200_000])
-        prompts = [ids[i * 128 : (i + 1) * 128] for i in range(args.decode_prompts)]
-        params = SamplingParams(max_tokens=args.decode_tokens, temperature=0.0, ignore_eos=True)
-        llm.generate(prompts[:2], SamplingParams(max_tokens=2))  # warm-up
-        t0 = time.perf_counter()
-        llm.generate(prompts, params)
-        row["decode_tokens_per_s"] = len(prompts) * args.decode_tokens / (time.perf_counter() - t0)
+        row.update(decode_row(llm, texts["tinyshakespeare"], args))
         rows[fmt] = row
         print(f"{fmt}: {row}", file=sys.stderr, flush=True)
         del llm, eng
@@ -138,6 +184,10 @@ def engine_rows(args) -> dict:
                     for a, b in zip(row[f"window_nll_{name}"], base[f"window_nll_{name}"])
                 ]
         row["decode_vs_auto"] = row["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+        row["decode_only_vs_auto"] = (
+            row["decode_only_tokens_per_s"] / base["decode_only_tokens_per_s"]
+        )
+        row["decode_cpu_vs_auto"] = base["decode_cpu_s"] / row["decode_cpu_s"]  # speed ratio
     return rows
 
 
@@ -154,6 +204,17 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--decode-prompts", type=int, default=16)
     ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument(
+        "--decode-prompt-tokens",
+        type=int,
+        default=128,
+        help="prompt length of the decode rows (1,024-2,048: KV reads a real share of a step)",
+    )
+    ap.add_argument(
+        "--formats",
+        default=",".join(ENGINE_FORMATS),
+        help="engine formats to run (auto, the baseline, always runs)",
+    )
     ap.add_argument("--no-mla", dest="mla", action="store_false")
     ap.add_argument("--mla-only", action="store_true", help="only the MLA section")
     ap.add_argument("--mla-prompts", type=int, default=8)

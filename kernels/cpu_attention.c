@@ -1103,6 +1103,17 @@ int kvmesh_cpu_attention_vectorized(void) { return VEC_PATH; }
  * times `scale` (1 / sqrt(block)), with kernels.quant.hadamard_transform's butterflies in its
  * order (stage h pairs dims i and i + h, h = 1, 2, 4, ...): bit-equal to it, without its ~30
  * torch ops per call. */
+static inline void hadamard_block(float *o, int64_t block, float scale) {
+    for (int64_t h = 1; h < block; h *= 2)
+        for (int64_t i = 0; i < block; i += 2 * h)
+            for (int64_t j = i; j < i + h; j++) {
+                const float a = o[j], b = o[j + h];
+                o[j] = a + b;
+                o[j + h] = a - b;
+            }
+    for (int64_t j = 0; j < block; j++) o[j] *= scale;
+}
+
 int kvmesh_hadamard_f32(const float *x, float *out, int64_t n, int64_t D, int64_t block,
                         float scale, int num_threads) {
     if (block < 1 || (block & (block - 1)) || D % block) return 2;
@@ -1111,16 +1122,36 @@ int kvmesh_hadamard_f32(const float *x, float *out, int64_t n, int64_t D, int64_
     for (int64_t r = 0; r < rows; r++) {
         float *o = out + r * block;
         if (o != x + r * block) memcpy(o, x + r * block, sizeof(float) * block);
-        for (int64_t h = 1; h < block; h *= 2)
-            for (int64_t i = 0; i < block; i += 2 * h)
-                for (int64_t j = i; j < i + h; j++) {
-                    const float a = o[j], b = o[j + h];
-                    o[j] = a + b;
-                    o[j + h] = a - b;
-                }
-        for (int64_t j = 0; j < block; j++) o[j] *= scale;
+        hadamard_block(o, block, scale);
     }
     return 0;
+}
+
+/* kvmesh_hadamard_f32 in place on one thread, for the kernels that fuse int4's rotations
+ * (the V rows a write stores, a decode step's output): the same butterflies, the same bits.
+ * x (n, D), block a power of two dividing D (the caller checks). */
+void kvmesh_hadamard_rows_(float *x, int64_t n, int64_t D, int64_t block, float scale) {
+    for (int64_t r = 0; r < n * (D / block); r++) hadamard_block(x + r * block, block, scale);
+}
+
+/* kvmesh_decode_attention_quant, then the output rotated back (int4 keeps V rotated): out
+ * as kvmesh_hadamard_f32(out, block, scale) leaves it. rot_block 0: no rotation; else a power
+ * of two dividing D (2 if not). */
+int kvmesh_decode_attention_quant_rot(int fmt, const float *q, const uint8_t *k,
+                                      const uint8_t *ks, const uint8_t *kz, const uint8_t *v,
+                                      const uint8_t *vs, const uint8_t *vz, const float *res_k,
+                                      const float *res_v, const int64_t *block_tables,
+                                      const int64_t *context_lens, const int64_t *res_slots,
+                                      float *out, int64_t B, int64_t P, int64_t res_pages,
+                                      int64_t Hq, int64_t Hkv, int64_t D, int64_t bs,
+                                      int64_t page_stride, float scale, int64_t window,
+                                      int num_threads, int64_t rot_block, float rot_scale) {
+    if (rot_block < 0 || (rot_block & (rot_block - 1)) || (rot_block && D % rot_block)) return 2;
+    const int rc = kvmesh_decode_attention_quant(
+        fmt, q, k, ks, kz, v, vs, vz, res_k, res_v, block_tables, context_lens, res_slots, out, B,
+        P, res_pages, Hq, Hkv, D, bs, page_stride, scale, window, num_threads);
+    if (rc == 0 && rot_block) kvmesh_hadamard_rows_(out, B * Hq, D, rot_block, rot_scale);
+    return rc;
 }
 
 /* ------------------------------------------------------------------------------------------

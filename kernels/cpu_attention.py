@@ -56,6 +56,7 @@ def paged_decode_attention_cpu(
     residual_k: torch.Tensor | None = None,
     residual_v: torch.Tensor | None = None,
     residual_slots: torch.Tensor | None = None,
+    out_rotation: int | None = None,
 ) -> torch.Tensor:
     """q (B, Hq, D) -> (B, Hq, D) in q's dtype, computed in fp32.
 
@@ -66,12 +67,17 @@ def paged_decode_attention_cpu(
     partial last page ``ctx // bs`` from slot ``residual_slots[b]``, or (B, W) page
     ``(ctx - 1) // bs - W + 1 + i`` from slot ``residual_slots[b, i]``, -1: from the pool.
     ``library``: a specific build, else the one ``cpu_native.build()`` loaded.
+    ``out_rotation`` (quantized formats): a block size; the result is rotated as
+    ``quant.hadamard_transform(result, out_rotation)`` would rotate it, in the same C call
+    and bit for bit (int4 keeps V rotated: its attention output is turned back so).
     """
     if fmt in QUANT_FORMATS:
         return _quantized(
             q, fmt, cache, block_tables, context_lens, scale, sliding_window, out, library,
-            residual_k, residual_v, residual_slots,
+            residual_k, residual_v, residual_slots, out_rotation,
         )  # fmt: skip
+    if out_rotation:
+        raise ValueError(f"out_rotation is for quantized pages, not {fmt!r}")
     if fmt not in _SYMBOLS:
         formats = sorted(_SYMBOLS) + list(QUANT_FORMATS)
         raise ValueError(f"the CPU kernel reads formats {formats}, got {fmt!r}")
@@ -125,9 +131,12 @@ def paged_decode_attention_cpu(
 
 def _quantized(
     q, fmt, cache, block_tables, context_lens, scale, sliding_window, out, library,
-    residual_k, residual_v, residual_slots,
+    residual_k, residual_v, residual_slots, out_rotation=None,
 ) -> torch.Tensor:  # fmt: skip
     bs, Hkv, D = check_cache(fmt, cache, residual_k, residual_v)
+    rot = int(out_rotation or 0)
+    if rot < 0 or rot & (rot - 1) or (rot and D % rot):
+        raise ValueError(f"out_rotation must be a power of two dividing {D}, got {out_rotation}")
     if q.dim() != 3 or q.shape[2] != D or q.shape[1] % Hkv:
         raise ValueError(f"q must be (B, Hq, {D}) with Hq a multiple of {Hkv}, got {q.shape}")
     B, Hq, _ = q.shape
@@ -153,13 +162,17 @@ def _quantized(
     o = torch.empty((B, Hq, D), dtype=torch.float32)
     if B:
         ptr = [cache[n].data_ptr() if n in cache else None for n in _QUANT_VIEWS]
-        fn = (library or default_library()).fn("kvmesh_decode_attention_quant")
-        rc = fn(
+        args = (
             _QUANT_CODES[fmt], qf.data_ptr(), *ptr, residual_k.data_ptr(), residual_v.data_ptr(),
             tables.data_ptr(), lens.data_ptr(), slots.data_ptr(), o.data_ptr(),
             B, tables.shape[1], slots.shape[1], Hq, Hkv, D, bs, stride, float(scale),
             sliding_window or 0, torch.get_num_threads(),
         )  # fmt: skip
+        lib = library or default_library()
+        if rot:  # the output rotated in the same call
+            rc = lib.fn("kvmesh_decode_attention_quant_rot")(*args, rot, 1.0 / rot**0.5)
+        else:
+            rc = lib.fn("kvmesh_decode_attention_quant")(*args)
         if rc == 1:
             raise MemoryError("the CPU attention kernel could not allocate its scratch")
         if rc == 3:

@@ -55,8 +55,17 @@ SIGNATURES = {
     #  out, B, P, residual pages W (slots is (B, W)), Hq, Hkv, D, bs, page stride in bytes, scale,
     #  window, threads)
     "kvmesh_decode_attention_quant": [_N] + [_P] * 13 + [_I] * 8 + [_F, _I, _N],
+    # the same, then the output rotated (int4's V Hadamard): + (rotation block, its scale)
+    "kvmesh_decode_attention_quant_rot": [_N] + [_P] * 13 + [_I] * 8 + [_F, _I, _N, _I, _F],
     # (fmt, k, v, n, bs, H, D, page ids, 6 component bases, page stride in bytes, threads)
     "kvmesh_quantize_pages": [_N, _P, _P] + [_I] * 4 + [_P] * 7 + [_I, _N],
+    # (fmt, k, v, k row stride, v row stride, T, residual rows, residual k, v, R, n, complete
+    #  pages, complete src, pool pages, bs, H, D, 6 component bases, page stride in bytes,
+    #  threads, V rotation block (0: none), its scale)
+    "kvmesh_write_kv_quant": [_N, _P, _P, _I, _I, _I, _P, _P, _P, _I, _I, _P, _P]
+    + [_I] * 4
+    + [_P] * 6
+    + [_I, _N, _I, _F],
     # (k, k_scale, k_zero, v, v_scale, v_zero, page stride in bytes, page ids, n, bs, H, D,
     #  k out, v out, threads)
     "kvmesh_dequantize_int4_pages": [_P] * 6 + [_I, _P] + [_I] * 4 + [_P, _P, _N],

@@ -12,6 +12,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define MIN_SCALE 6.103515625e-05f /* 2^-14, fp16's smallest normal */
@@ -55,85 +56,144 @@ static inline void quant_sym_row(int fmt, const float *x, int64_t D, uint8_t *q,
     }
 }
 
-static inline float code4(float x, float z, float s) {
+/* The int4 loops below are vectorised across lanes (channels, or value groups): GCC (12)
+ * keeps a loop with floorf scalar under -ftrapping-math, so they are built without it. That
+ * changes no result (every operation still rounds as IEEE says; only FP exception flags,
+ * which nothing reads, may differ); -ffp-contract=off still holds. */
+#if defined(__GNUC__) && !defined(__clang__)
+#define NO_TRAPS __attribute__((optimize("no-trapping-math")))
+#else
+#define NO_TRAPS
+#endif
+
+/* fminf / fmaxf as glibc returns them (b when equal, so -0.0 vs 0.0 too; a when b is NaN),
+ * as comparisons, so a loop of them vectorises instead of calling libm per value */
+NO_TRAPS static inline float min_as_fminf(float a, float b) { return (a < b || b != b) ? a : b; }
+NO_TRAPS static inline float max_as_fmaxf(float a, float b) { return (a > b || b != b) ? a : b; }
+
+NO_TRAPS static inline float code4(float x, float z, float s) {
     const float r = floorf((x - z) / s + 0.5f);
     return r < 0.0f ? 0.0f : (r > 15.0f ? 15.0f : r);
 }
 
-/* int4 keys of head h: per channel over the page's bs tokens. xk: the page (bs, H, D). */
-static void quant_int4_k(const float *xk, int64_t bs, int64_t H, int64_t D, int64_t h,
+/* int4 keys of head h: per channel over the page's bs tokens. xk: the page (bs, H, D). The
+ * channel's zero and scale are converted to float once (the same values), and the codes of a
+ * row are formed for every channel before they are packed, so the loops vectorise. */
+NO_TRAPS static void quant_int4_k(const float *xk, int64_t bs, int64_t H, int64_t D, int64_t h,
                          uint8_t *q, _Float16 *ks, _Float16 *kz) {
+    float zf[D], sf[D], c[D], mn[D], mx[D];
     for (int64_t d = 0; d < D; d++) {
-        float mn = INFINITY, mx = -INFINITY;
-        for (int64_t t = 0; t < bs; t++) {
-            const float x = xk[(t * H + h) * D + d];
-            mn = fminf(mn, x);
-            mx = fmaxf(mx, x);
+        mn[d] = INFINITY;
+        mx[d] = -INFINITY;
+    }
+    for (int64_t t = 0; t < bs; t++) { /* each channel over the tokens in order, as fminf */
+        const float *x = xk + (t * H + h) * D;
+        for (int64_t d = 0; d < D; d++) {
+            mn[d] = min_as_fminf(mn[d], x[d]);
+            mx[d] = max_as_fmaxf(mx[d], x[d]);
         }
-        const _Float16 z = (_Float16)mn;
-        const _Float16 s = scale16((mx - (float)z) / 15.0f);
+    }
+    for (int64_t d = 0; d < D; d++) {
+        const _Float16 z = (_Float16)mn[d];
+        const _Float16 s = scale16((mx[d] - (float)z) / 15.0f);
         ks[h * D + d] = s;
         kz[h * D + d] = z;
+        zf[d] = (float)z;
+        sf[d] = (float)s;
     }
     for (int64_t t = 0; t < bs; t++) {
         const float *x = xk + (t * H + h) * D;
         uint8_t *qr = q + (t * H + h) * (D / 2);
-        for (int64_t i = 0; i < D / 2; i++) {
-            const int64_t a = h * D + 2 * i, b = a + 1;
-            const float lo = code4(x[2 * i], (float)kz[a], (float)ks[a]);
-            const float hi = code4(x[2 * i + 1], (float)kz[b], (float)ks[b]);
-            qr[i] = (uint8_t)((int)lo | ((int)hi << 4));
+        for (int64_t d = 0; d < D; d++) { /* code4, spelled out so that it vectorises */
+            float r = floorf((x[d] - zf[d]) / sf[d] + 0.5f);
+            r = r < 0.0f ? 0.0f : r;
+            c[d] = r > 15.0f ? 15.0f : r;
         }
+        for (int64_t i = 0; i < D / 2; i++)
+            qr[i] = (uint8_t)((int)c[2 * i] | ((int)c[2 * i + 1] << 4));
     }
 }
 
-/* int4 values of one (token, head) row: groups of g, the clipping factor with the least
- * squared error, the first on a tie (kernels/quant.py: INT4_V_CLIP_STEPS = 6). */
-static void quant_int4_v_row(const float *x, int64_t D, uint8_t *q, _Float16 *vs, _Float16 *vz) {
-    const int64_t g = D < 32 ? D : 32;
-    for (int64_t c = 0; c < D / g; c++) {
-        const float *xg = x + c * g;
-        float mn = INFINITY, mx = -INFINITY;
-        for (int64_t i = 0; i < g; i++) {
-            mn = fminf(mn, xg[i]);
-            mx = fmaxf(mx, xg[i]);
+/* int4 values of head h of one page: per (token, group of g) the clipping factor with the
+ * least squared error, the first on a tie (kernels/quant.py: INT4_V_CLIP_STEPS = 6). The page's
+ * bs * D / g groups of the head are the lanes: up to V4_LANES of them are transposed side by
+ * side, so each candidate's error is summed for all of them at once, each in its own value
+ * order (the same order and arithmetic as one group at a time: the same bytes on every build).
+ * xv: the page (bs, H, D); q, vs, vz: the page's value components. */
+#define V4_LANES 64
+NO_TRAPS static void quant_int4_v_head(const float *xv, int64_t bs, int64_t H, int64_t D, int64_t h,
+                              uint8_t *q, _Float16 *vs, _Float16 *vz) {
+    const int64_t g = D < 32 ? D : 32, Gn = D / g, NG = bs * Gn;
+    float xt[32][V4_LANES];
+    float mid[V4_LANES], half[V4_LANES], zf[V4_LANES], sf[V4_LANES], err[V4_LANES];
+    float best[V4_LANES], bz[V4_LANES], bsc[V4_LANES], mn[V4_LANES], mx[V4_LANES];
+    for (int64_t l0 = 0; l0 < NG; l0 += V4_LANES) {
+        const int64_t m = NG - l0 < V4_LANES ? NG - l0 : V4_LANES;
+        for (int64_t j = 0; j < m; j++) {
+            const int64_t grp = l0 + j, t = grp / Gn, c = grp % Gn;
+            const float *xg = xv + (t * H + h) * D + c * g;
+            for (int64_t i = 0; i < g; i++) xt[i][j] = xg[i];
         }
-        const float mid = (mn + mx) * 0.5f, half = (mx - mn) * 0.5f;
-        float best = INFINITY;
-        _Float16 bs_ = 0, bz = 0;
+        for (int64_t j = 0; j < V4_LANES; j++) {
+            mn[j] = INFINITY;
+            mx[j] = -INFINITY;
+        }
+        for (int64_t i = 0; i < g; i++) /* each group's values in order, as fminf */
+            for (int64_t j = 0; j < m; j++) {
+                mn[j] = min_as_fminf(mn[j], xt[i][j]);
+                mx[j] = max_as_fmaxf(mx[j], xt[i][j]);
+            }
+        for (int64_t j = 0; j < m; j++) {
+            mid[j] = (mn[j] + mx[j]) * 0.5f;
+            half[j] = (mx[j] - mn[j]) * 0.5f;
+        }
+        for (int64_t j = m; j < V4_LANES; j++) { /* idle lanes: harmless values */
+            mid[j] = half[j] = 0.0f;
+            for (int64_t i = 0; i < g; i++) xt[i][j] = 0.0f;
+        }
         for (int step = 0; step < 6; step++) {
             const float alpha = (float)((20 - step) / 20.0);
-            const _Float16 z = (_Float16)(mid - alpha * half);
-            const _Float16 s = scale16(((mid + alpha * half) - (float)z) / 15.0f);
-            const float zf = (float)z, sf = (float)s;
-            float err = 0.0f;
-            for (int64_t i = 0; i < g; i++) {
-                const float e = (code4(xg[i], zf, sf) * sf + zf) - xg[i];
-                err += e * e;
+            for (int64_t j = 0; j < V4_LANES; j++) {
+                const _Float16 z = (_Float16)(mid[j] - alpha * half[j]);
+                zf[j] = (float)z;
+                sf[j] = (float)scale16(((mid[j] + alpha * half[j]) - (float)z) / 15.0f);
+                err[j] = 0.0f;
             }
-            if (step == 0 || err < best) {
-                best = err;
-                bs_ = s;
-                bz = z;
-            }
+            for (int64_t i = 0; i < g; i++)
+                for (int64_t j = 0; j < V4_LANES; j++) {
+                    const float x = xt[i][j];
+                    float r = floorf((x - zf[j]) / sf[j] + 0.5f); /* code4 */
+                    r = r < 0.0f ? 0.0f : r;
+                    r = r > 15.0f ? 15.0f : r;
+                    const float e = (r * sf[j] + zf[j]) - x;
+                    err[j] += e * e;
+                }
+            for (int64_t j = 0; j < m; j++)
+                if (step == 0 || err[j] < best[j]) {
+                    best[j] = err[j];
+                    bz[j] = zf[j];
+                    bsc[j] = sf[j];
+                }
         }
-        vs[c] = bs_;
-        vz[c] = bz;
-        const float zf = (float)bz, sf = (float)bs_;
-        uint8_t *qg = q + c * g / 2;
-        for (int64_t i = 0; i < g / 2; i++)
-            qg[i] = (uint8_t)((int)code4(xg[2 * i], zf, sf) | ((int)code4(xg[2 * i + 1], zf, sf) << 4));
+        for (int64_t j = 0; j < m; j++) {
+            const int64_t grp = l0 + j, t = grp / Gn, c = grp % Gn, r = t * H + h;
+            const float *xg = xv + r * D + c * g;
+            vs[r * Gn + c] = (_Float16)bsc[j]; /* exact: both came from fp16 */
+            vz[r * Gn + c] = (_Float16)bz[j];
+            uint8_t *qg = q + r * (D / 2) + c * g / 2;
+            for (int64_t i = 0; i < g / 2; i++)
+                qg[i] = (uint8_t)((int)code4(xg[2 * i], bz[j], bsc[j]) |
+                                  ((int)code4(xg[2 * i + 1], bz[j], bsc[j]) << 4));
+        }
     }
 }
 
-/* Returns 0, or 2 for an unknown format or a head size int4 cannot take. */
-int kvmesh_quantize_pages(int fmt, const float *k, const float *v, int64_t n, int64_t bs,
-                          int64_t H, int64_t D, const int64_t *page_ids, uint8_t *kd,
-                          uint8_t *ks, uint8_t *kz, uint8_t *vd, uint8_t *vs, uint8_t *vz,
-                          int64_t page_stride, int num_threads) {
-    if (fmt != QFMT_FP8 && fmt != QFMT_INT8 && fmt != QFMT_INT4) return 2;
+/* Pages i < n of k, v (n, bs, H, D) into pool pages page_ids[i]. The format is checked. */
+static void quantize_pages(int fmt, const float *k, const float *v, int64_t n, int64_t bs,
+                           int64_t H, int64_t D, const int64_t *page_ids, uint8_t *kd,
+                           uint8_t *ks, uint8_t *kz, uint8_t *vd, uint8_t *vs, uint8_t *vz,
+                           int64_t page_stride, int num_threads) {
     const int64_t g = D < 32 ? D : 32;
-    if (fmt == QFMT_INT4 && (D % 2 || D % g)) return 2;
     const int64_t page = bs * H * D;
 #pragma omp parallel for collapse(2) schedule(static) num_threads(num_threads) if (n * H > 1)
     for (int64_t i = 0; i < n; i++)
@@ -143,12 +203,8 @@ int kvmesh_quantize_pages(int fmt, const float *k, const float *v, int64_t n, in
             if (fmt == QFMT_INT4) {
                 quant_int4_k(xk, bs, H, D, h, kd + off, (_Float16 *)(ks + off),
                              (_Float16 *)(kz + off));
-                for (int64_t t = 0; t < bs; t++) {
-                    const int64_t r = t * H + h;
-                    quant_int4_v_row(xv + r * D, D, vd + off + r * (D / 2),
-                                     (_Float16 *)(vs + off) + r * (D / g),
-                                     (_Float16 *)(vz + off) + r * (D / g));
-                }
+                quant_int4_v_head(xv, bs, H, D, h, vd + off, (_Float16 *)(vs + off),
+                                  (_Float16 *)(vz + off));
             } else {
                 for (int64_t t = 0; t < bs; t++) {
                     const int64_t r = t * H + h;
@@ -157,5 +213,93 @@ int kvmesh_quantize_pages(int fmt, const float *k, const float *v, int64_t n, in
                 }
             }
         }
+    (void)g;
+}
+
+static int bad_format(int fmt, int64_t D) {
+    if (fmt != QFMT_FP8 && fmt != QFMT_INT8 && fmt != QFMT_INT4) return 1;
+    const int64_t g = D < 32 ? D : 32;
+    return fmt == QFMT_INT4 && (D % 2 || D % g);
+}
+
+/* Returns 0, or 2 for an unknown format or a head size int4 cannot take. */
+int kvmesh_quantize_pages(int fmt, const float *k, const float *v, int64_t n, int64_t bs,
+                          int64_t H, int64_t D, const int64_t *page_ids, uint8_t *kd,
+                          uint8_t *ks, uint8_t *kz, uint8_t *vd, uint8_t *vs, uint8_t *vz,
+                          int64_t page_stride, int num_threads) {
+    if (bad_format(fmt, D)) return 2;
+    quantize_pages(fmt, k, v, n, bs, H, D, page_ids, kd, ks, kz, vd, vs, vz, page_stride,
+                   num_threads);
+    return 0;
+}
+
+void kvmesh_hadamard_rows_(float *x, int64_t n, int64_t D, int64_t block, float scale);
+
+/* One layer's write of a step over a quantized cache with an fp32 residual ring, in one call
+ * (kernels/cache_write.py's write_kv_cache_torch is the twin, kernels/cpu_quant.py the caller):
+ *   1. the n completing pages are assembled, token by token, from complete_src (n, bs): a
+ *      value < R * bs is a residual row (the ring as it was before this step), else the new
+ *      token src - R * bs of k/v; then quantized into pool pages complete_pages (n,);
+ *   2. each new token t with res_rows[t] >= 0 is stored into that residual row.
+ * k, v: T new tokens, row t at k + t * k_row (H * D contiguous floats each: the fused qkv
+ * output's K columns need no copy); rk, rv: the residual rows (R * bs, H, D) contiguous.
+ * v_rot_block > 0: the new V rows are first rotated as kvmesh_hadamard_f32(v, v_rot_block,
+ * v_rot_scale) rotates them (int4 keeps V rotated; the same bits), in a scratch copy.
+ * Every index is checked before anything is written. Returns 0; 2 for a format, head size or
+ * rotation block the kernel cannot take; 4 for an index out of range; 1 if the scratch
+ * cannot be had. */
+int kvmesh_write_kv_quant(int fmt, const float *k, const float *v, int64_t k_row, int64_t v_row,
+                          int64_t T, const int64_t *res_rows, float *rk, float *rv, int64_t R,
+                          int64_t n, const int64_t *complete_pages, const int64_t *complete_src,
+                          int64_t num_pages, int64_t bs, int64_t H, int64_t D, uint8_t *kd,
+                          uint8_t *ks, uint8_t *kz, uint8_t *vd, uint8_t *vs, uint8_t *vz,
+                          int64_t page_stride, int num_threads, int64_t v_rot_block,
+                          float v_rot_scale) {
+    if (bad_format(fmt, D)) return 2;
+    if (v_rot_block < 0 || (v_rot_block & (v_rot_block - 1)) || (v_rot_block && D % v_rot_block))
+        return 2;
+    const int64_t HD = H * D, rows = R * bs;
+    for (int64_t t = 0; t < T; t++)
+        if (res_rows[t] >= rows) return 4;
+    for (int64_t i = 0; i < n; i++) {
+        if (complete_pages[i] < 0 || complete_pages[i] >= num_pages) return 4;
+        for (int64_t j = 0; j < bs; j++) {
+            const int64_t src = complete_src[i * bs + j];
+            if (src < 0 || src >= rows + T) return 4;
+        }
+    }
+    float *vrot = NULL;
+    if (v_rot_block && T) {
+        if (!(vrot = malloc(sizeof(float) * T * HD))) return 1;
+        for (int64_t t = 0; t < T; t++) memcpy(vrot + t * HD, v + t * v_row, sizeof(float) * HD);
+        kvmesh_hadamard_rows_(vrot, T * H, D, v_rot_block, v_rot_scale);
+        v = vrot;
+        v_row = HD;
+    }
+    if (n) {
+        float *full = malloc(sizeof(float) * 2 * n * bs * HD);
+        if (!full) {
+            free(vrot);
+            return 1;
+        }
+        float *fk = full, *fv = full + n * bs * HD;
+        for (int64_t r = 0; r < n * bs; r++) {
+            const int64_t src = complete_src[r];
+            const float *sk = src < rows ? rk + src * HD : k + (src - rows) * k_row;
+            const float *sv = src < rows ? rv + src * HD : v + (src - rows) * v_row;
+            memcpy(fk + r * HD, sk, sizeof(float) * HD);
+            memcpy(fv + r * HD, sv, sizeof(float) * HD);
+        }
+        quantize_pages(fmt, fk, fv, n, bs, H, D, complete_pages, kd, ks, kz, vd, vs, vz,
+                       page_stride, num_threads);
+        free(full);
+    }
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t r = res_rows[t];
+        if (r < 0) continue;
+        memcpy(rk + r * HD, k + t * k_row, sizeof(float) * HD);
+        memcpy(rv + r * HD, v + t * v_row, sizeof(float) * HD);
+    }
+    free(vrot);
     return 0;
 }

@@ -73,9 +73,13 @@ def write_kv_cache_cpu(
     complete_pages: torch.Tensor,
     complete_src: torch.Tensor,
     library: CpuLibrary | None = None,
+    v_rotation: int | None = None,
 ) -> None:
-    """``write_kv_cache_torch`` for quantized formats with an fp32 residual, full pages
-    quantized in C."""
+    """``write_kv_cache_torch`` for quantized formats with an fp32 residual, in one C call
+    (``kvmesh_write_kv_quant``): the same bytes in the pool and the residual (the quantizer
+    as ``quantize_pages_into``). ``v_rotation``: a block size; v is first rotated as
+    ``quant.hadamard_transform(v, v_rotation)`` rotates it (int4 keeps V rotated), in C, bit
+    for bit, so the caller need not (v as given is not changed)."""
     bs, H, D = _check_write_args(
         fmt=fmt,
         k=k,
@@ -91,26 +95,39 @@ def write_kv_cache_cpu(
     R, n = residual_k.shape[0], complete_pages.shape[0]
     if not (residual_k.is_contiguous() and residual_v.is_contiguous()):
         raise ValueError("residual_k and residual_v must be contiguous")
-    # row views (R * bs, H, D): one index per row, so the gathers and the store below copy
-    # whole rows (index_select / index_copy_), 2-6x faster at decode sizes than indexing
-    # with (page, offset) pairs; the same bytes
-    rk, rv = residual_k.view(R * bs, H, D), residual_v.view(R * bs, H, D)
-    if n:
-        # the completing pages: earlier tokens from the residual, new ones from k/v (through
-        # the residual dtype, like a tail token), assembled before the residual is written
-        src = complete_src.reshape(-1)  # (n * bs,)
-        from_res = src < R * bs
-        pos_res, pos_new = from_res.nonzero().squeeze(1), (~from_res).nonzero().squeeze(1)
-        rows, toks = src[pos_res], src[pos_new] - R * bs
-        full = []
-        for x, res in ((k, rk), (v, rv)):
-            f = torch.empty((n * bs, H, D), dtype=torch.float32)
-            f.index_copy_(0, pos_res, res.index_select(0, rows))
-            f.index_copy_(0, pos_new, x.index_select(0, toks).to(res.dtype).float())
-            full.append(f.view(n, bs, H, D))
-        quantize_pages_into(fmt, *full, cache, complete_pages, library=library)
-    keep = (residual_slots >= 0).nonzero().squeeze(1)  # the new tokens' residual rows
-    if keep.numel():
-        rows = residual_slots.index_select(0, keep)
-        rk.index_copy_(0, rows, k.index_select(0, keep).to(rk.dtype))
-        rv.index_copy_(0, rows, v.index_select(0, keep).to(rv.dtype))
+    if residual_k.dtype != torch.float32 or residual_v.dtype != torch.float32:
+        raise ValueError(f"residual_k/v must be float32, got {residual_k.dtype}")
+    # one C call (kvmesh_write_kv_quant): the completing pages assembled from the ring and
+    # the new tokens and quantized, then the new tokens' rows stored into the ring; k and v
+    # are read in place where each token's H * D values are contiguous (the fused qkv
+    # output's columns), so no copy
+    if k.dtype != torch.float32 or (k.shape[0] and not k[0].is_contiguous()):
+        k = k.float().contiguous()
+    if v.dtype != torch.float32 or (v.shape[0] and not v[0].is_contiguous()):
+        v = v.float().contiguous()
+    stride = cache["k"].stride(0) * cache["k"].element_size()
+    for name, t in cache.items():
+        if t.stride(0) * t.element_size() != stride or not t[0].is_contiguous():
+            raise ValueError(f"view {name!r} is not a dense component of a page-major pool")
+    rot = int(v_rotation or 0)
+    if rot < 0 or rot & (rot - 1) or (rot and D % rot):
+        raise ValueError(f"v_rotation must be a power of two dividing {D}, got {v_rotation}")
+    T = k.shape[0]
+    rows, pages, src = residual_slots.contiguous(), complete_pages.contiguous(), complete_src
+    src = src.contiguous()
+    ptr = [cache[c].data_ptr() if c in cache else None for c in _VIEWS]
+    rc = (library or default_library()).fn("kvmesh_write_kv_quant")(
+        _CODES[fmt], k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), T, rows.data_ptr(),
+        residual_k.data_ptr(), residual_v.data_ptr(), R, n, pages.data_ptr(), src.data_ptr(),
+        cache["k"].shape[0], bs, H, D, *ptr, stride, torch.get_num_threads(), rot,
+        1.0 / rot**0.5 if rot else 0.0,
+    )  # fmt: skip
+    if rc == 4:
+        raise ValueError(
+            f"residual_slots, complete_pages or complete_src out of range (residual rows "
+            f"{R * bs}, new tokens {T}, pool pages {cache['k'].shape[0]})"
+        )
+    if rc == 1:
+        raise MemoryError("kvmesh_write_kv_quant could not allocate its page scratch")
+    if rc:
+        raise CpuKernelError(f"kvmesh_write_kv_quant rejected {fmt} pages of head_size {D}")

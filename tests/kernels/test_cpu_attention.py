@@ -324,3 +324,24 @@ def test_int4_pages_dequantized_in_c_equal_the_torch_twin_bit_for_bit(libraries,
         cpu_attention.dequantize_int4_pages_cpu(
             views, torch.tensor([10]), out_k[:1], out_v[:1], library=lib
         )
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("Hq,Hkv,D", [(9, 3, 64), (8, 2, 128)])
+def test_output_rotation_in_the_kernel_is_the_rotation_after_it(libraries, build, Hq, Hkv, D):
+    """A decode-only step over int4 pages rotates the attention output back in the decode
+    call (``out_rotation``): bit for bit what the separate rotation after it gives."""
+    lib = libraries[build]
+    sim = _sim("int4", Hkv, D, [[37, 32, 1, 90], [2, 0, 0, 6]], seed=D)
+    q = torch.randn(4, Hq, D, generator=torch.Generator().manual_seed(D + 1))
+    args = _quant_args(sim, q, 1 / math.sqrt(D))
+    plain = cpu_attention.paged_decode_attention_cpu(**args, library=lib)
+    want = cpu_attention.hadamard_cpu(plain, D, library=lib)
+    out = torch.empty_like(q)
+    got = cpu_attention.paged_decode_attention_cpu(**args, library=lib, out_rotation=D, out=out)
+    assert got is out and torch.equal(got, want)
+    with pytest.raises(ValueError, match="out_rotation must be a power of two"):
+        cpu_attention.paged_decode_attention_cpu(**args, library=lib, out_rotation=24)
+    with pytest.raises(ValueError, match="out_rotation is for quantized pages"):
+        fp32 = _sim("fp32", Hkv, D, [[3, 4, 1, 9]], seed=1)
+        cpu_attention.paged_decode_attention_cpu(**_args(fp32, q, 0.1), out_rotation=D)

@@ -98,3 +98,94 @@ def test_bad_arguments_are_named(lib):
         run("int8", k, k, cache, torch.tensor([1], dtype=torch.int32), library=lib)
     with pytest.raises(ValueError, match="float32 k, v"):
         run("int8", k.half(), k.half(), cache, torch.tensor([1]), library=lib)
+
+
+def test_int4_pages_are_the_same_bytes_on_every_build(libraries):
+    """The int4 quantizer runs its loops across lanes (channels, value groups), vectorised on
+    the native and AVX2 builds: the bytes must equal the scalar (portable) build's exactly,
+    ties included (each lane sums its own group in value order), for odd lane counts too."""
+    for H, D, bs, seed in ((3, 64, 16, 1), (2, 20, 16, 2), (1, 128, 16, 3), (5, 32, 8, 4)):
+        n = 5
+        layout = PageLayout("int4", 1, H, D, bs)
+        k, v = _pages(n, bs, H, D, seed=seed)
+        v[1, 3, 0, :] = 0.5  # a flat group: every candidate ties
+        v[2, 0, 0, : D // 2] = -0.0
+        ids = torch.tensor([3, 1, 6, 2, 5])
+        bufs = {}
+        for name, lib in libraries.items():
+            buf = layout.allocate(7)
+            cpu_quant.quantize_pages_into("int4", k, v, layout.views(buf, 0), ids, library=lib)
+            bufs[name] = buf
+        for name, buf in bufs.items():
+            assert torch.equal(buf, bufs["portable"]), (name, H, D, bs)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_one_call_writer_reads_strided_rows_as_the_torch_writer(lib, fmt):
+    """write_kv_cache_cpu (one C call: assemble, quantize, store the ring rows) fed k/v as the
+    model hands them, column slices of a fused qkv output (rows not contiguous), over steps
+    whose pages complete from the ring and new tokens alike: the torch writer's bytes."""
+    H, D = 3, 64
+    sims = [KVSim(fmt, H=H, D=D, seed=5, num_reqs=3) for _ in range(2)]
+    for new in ([17, 1, 40], [1, 1, 1], [15, 14, 8], [1, 1, 1]):
+        kw = sims[0].step(new)
+        kw2 = sims[1].step(new)
+        write_kv_cache_torch(**kw)
+        kw2.pop("slot_mapping")
+        T = kw2["k"].shape[0]
+        qkv = torch.randn(T, 5 * H * D)  # q, k, v side by side, as the fused projection
+        qkv[:, 3 * H * D : 4 * H * D] = kw2["k"].reshape(T, -1)
+        qkv[:, 4 * H * D :] = kw2["v"].reshape(T, -1)
+        kw2["k"] = qkv[:, 3 * H * D : 4 * H * D].view(T, H, D)
+        kw2["v"] = qkv[:, 4 * H * D :].view(T, H, D)
+        assert not kw2["k"].is_contiguous()
+        cpu_quant.write_kv_cache_cpu(**kw2, library=lib)
+    assert torch.equal(sims[0].residual, sims[1].residual)
+    if fmt == "int8":
+        assert torch.equal(sims[0].buf, sims[1].buf)
+        return
+    # int4: the C quantizer's bytes (the twin's up to clipping ties, test above)
+    want = sims[0].views()
+    got = sims[1].views()
+    for name in ("k", "k_scale", "k_zero"):
+        assert torch.equal(got[name], want[name]), name
+    same = (got["v_scale"] == want["v_scale"]) & (got["v_zero"] == want["v_zero"])
+    assert same.float().mean() > 0.98
+
+
+def test_writer_names_out_of_range_indices(lib):
+    sim = KVSim("int4", H=2, D=32, seed=1, num_reqs=2)
+    kw = sim.step([3, 20])
+    kw.pop("slot_mapping")
+    before = sim.buf.clone(), sim.residual.clone()
+    bad = dict(kw, complete_src=kw["complete_src"].clone())
+    bad["complete_src"][0, 0] = 10**6
+    with pytest.raises(ValueError, match="out of range"):
+        cpu_quant.write_kv_cache_cpu(**bad, library=lib)
+    bad = dict(kw, residual_slots=kw["residual_slots"].clone())
+    bad["residual_slots"][0] = 10**6
+    with pytest.raises(ValueError, match="out of range"):
+        cpu_quant.write_kv_cache_cpu(**bad, library=lib)
+    assert torch.equal(sim.buf, before[0]) and torch.equal(sim.residual, before[1])
+
+
+def test_writer_rotating_v_equals_rotating_before_it(lib):
+    """``v_rotation``: the writer rotates the new V rows itself (int4's Hadamard, in C), as
+    the backend's separate rotation before the write did: the same pool and ring bytes, and
+    the caller's v untouched."""
+    from kvmesh.kernels.cpu_attention import hadamard_cpu
+
+    H, D = 3, 64
+    sims = [KVSim("int4", H=H, D=D, seed=8, num_reqs=3) for _ in range(2)]
+    for new in ([17, 1, 40], [1, 1, 1], [15, 14, 8]):
+        kws = [s.step(new) for s in sims]
+        for kw in kws:
+            kw.pop("slot_mapping")
+        v0 = kws[1]["v"].clone()
+        cpu_quant.write_kv_cache_cpu(**dict(kws[0], v=hadamard_cpu(kws[0]["v"], D)), library=lib)
+        cpu_quant.write_kv_cache_cpu(**kws[1], library=lib, v_rotation=D)
+        assert torch.equal(kws[1]["v"], v0)
+    assert torch.equal(sims[0].buf, sims[1].buf)
+    assert torch.equal(sims[0].residual, sims[1].residual)
+    with pytest.raises(ValueError, match="v_rotation must be a power of two"):
+        cpu_quant.write_kv_cache_cpu(**kws[1], library=lib, v_rotation=48)

@@ -68,17 +68,14 @@ class TorchAttentionBackend(AttentionBackend):
         dev = meta.slot_mapping.device
         self._page_idx = meta.slot_mapping // bs  # (T,) where each new token is written
         self._page_off = meta.slot_mapping % bs
-        self._decode_mask = None
         quantized = meta.residual_slots is not None
-        # the C kernel reads float pages by context length: no mask to build for it
-        if meta.num_decode and (self._native is None or quantized or dev.type != "cpu"):
-            B, P = meta.decode_block_tables.shape
-            pos = torch.arange(P * bs, dtype=torch.int64, device=dev)
-            ctx = meta.decode_context_lens[:, None]
-            mask = pos[None, :] < ctx  # (B, L)
-            if self.sliding_window is not None:
-                mask &= pos[None, :] >= ctx - self.sliding_window
-            self._decode_mask = mask[:, None, None, :]  # (B, 1, 1, L)
+        # the C kernel reads pages (float, or quantized with an fp32 residual) by context
+        # length: the torch decode's mask and residual pages are built only where it may run
+        # (a quantized cache with another residual dtype builds them in forward, on first use)
+        self._torch_decode_ready = False
+        self._decode_mask = self._decode_tail = None
+        if meta.num_decode and not (self._native is not None and dev.type == "cpu"):
+            self._prepare_torch_decode(meta)
         self._prefill = []
         self._own_page_views = {}  # (span index, "mask" | "ranges"): built on first use
         for span in meta.prefills:
@@ -89,13 +86,21 @@ class TorchAttentionBackend(AttentionBackend):
             if not quantized and (not fresh or self.sliding_window is not None):
                 mask = causal_prefill_mask(span, dev, self.sliding_window)  # (q_len, ctx)
             self._prefill.append((span, fresh, mask))
-        if quantized:
-            self._prepare_quantized(meta)
 
-    def _prepare_quantized(self, meta: AttentionMetadata) -> None:
+    def _prepare_torch_decode(self, meta: AttentionMetadata) -> None:
+        """The torch decode's (B, 1, 1, L) mask and, over a quantized cache, its residual
+        pages: once per step, shared by the layers."""
+        self._torch_decode_ready = True
+        bs, dev = meta.block_size, meta.slot_mapping.device
+        B, P = meta.decode_block_tables.shape
+        pos = torch.arange(P * bs, dtype=torch.int64, device=dev)
+        ctx = meta.decode_context_lens[:, None]
+        mask = pos[None, :] < ctx  # (B, L)
+        if self.sliding_window is not None:
+            mask &= pos[None, :] >= ctx - self.sliding_window
+        self._decode_mask = mask[:, None, None, :]  # (B, 1, 1, L)
         dec = meta.decode_residual_slots  # (B, W): residual pages of each one's last W pages
-        self._decode_tail = None
-        if meta.num_decode and dec is not None and bool((dec >= 0).any()):
+        if meta.residual_slots is not None and dec is not None and bool((dec >= 0).any()):
             rows, i = (dec >= 0).nonzero().unbind(1)
             last = (meta.decode_context_lens[rows] - 1) // meta.block_size
             pages = last - dec.shape[1] + 1 + i  # the page each of those entries holds
@@ -183,9 +188,12 @@ class TorchAttentionBackend(AttentionBackend):
         G = Hq // Hkv
         bs = meta.block_size
         rot = value_rotation_block(cache.cache_format, D)
-        if rot is not None:  # int4 keeps V rotated (kernels.quant); the output is turned back
-            v = self._hadamard(v, rot)
         native = self._native is not None and q.device.type == "cpu"
+        # a decode-only step in C rotates V in the write and the output in the decode kernel
+        fused = rot is not None and native and not self._prefill and q.dtype == torch.float32
+        fused = fused and cache.residual_k.dtype == torch.float32 and v.dtype == torch.float32
+        if rot is not None and not fused:  # int4 keeps V rotated (kernels.quant); the output
+            v = self._hadamard(v, rot)  # is turned back
         exact = []  # quantized: each prefill chunk's own pages in full precision, pre-write
         if cache.quantized:
             for span, _, _ in self._prefill:
@@ -205,6 +213,7 @@ class TorchAttentionBackend(AttentionBackend):
                 residual_slots=meta.residual_slots,
                 complete_pages=meta.complete_pages,
                 complete_src=meta.complete_src,
+                **({"v_rotation": rot} if fused else {}),
             )
         else:
             kc, vc = cache.views["k"], cache.views["v"]
@@ -217,6 +226,8 @@ class TorchAttentionBackend(AttentionBackend):
         if cache.quantized:
             res = dict(residual_k=cache.residual_k, residual_v=cache.residual_v)
             res["residual_slots"] = meta.decode_residual_slots
+            if fused:
+                res["out_rotation"] = rot
         if nd and native and (not res or cache.residual_k.dtype == torch.float32):
             self._native(
                 q=q[:nd],
@@ -230,6 +241,8 @@ class TorchAttentionBackend(AttentionBackend):
                 **res,
             )
         elif nd:
+            if not self._torch_decode_ready:
+                self._prepare_torch_decode(meta)
             tables = meta.decode_block_tables  # (B, P)
             B, P = tables.shape
             kk, vv = self._read_pages(cache, tables.reshape(-1), q.dtype)  # (B * P, bs, Hkv, D)
@@ -285,4 +298,4 @@ class TorchAttentionBackend(AttentionBackend):
                 enable_gqa=G > 1,
             )
             out[s : s + n] = o[0].transpose(0, 1)
-        return out if rot is None else self._hadamard(out, rot)
+        return out if rot is None or fused else self._hadamard(out, rot)
