@@ -3,8 +3,8 @@ own-page view of a chunk over a quantized cache, against its twin: ``own_page_ma
 over ``cat(quantized run, exact run)`` in float64. Every build this host runs (native, AVX2
 where the CPU has it, portable) and the scalar loop forced on the native build; W = 1, 2, 3,
 a restored prefix (``ring_from`` > 0), chunks that start mid-page, a fresh chunk, a sliding
-window, G = 1, 3, 4 and 8 (MQA too), D = 32, 64, 80, 96 and 128, block sizes that cut pages. Bound: 2e-5 absolute on
-unit-normal inputs, as the causal kernel's tests."""
+window, G = 1, 3, 4 and 8 (MQA too), D = 32, 64, 80, 96 and 128, block sizes that cut
+pages. Bound: 2e-5 absolute on unit-normal inputs, as the causal kernel's tests."""
 
 import pytest
 import torch
