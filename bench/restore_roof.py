@@ -168,37 +168,36 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
         got += k
 
 
-def bench_tcp(total: int, trials: int) -> dict:
+def _tcp_case(total: int, conns: int, trials: int) -> dict:
+    """``total`` bytes over ``conns`` loopback connections, one sender process each."""
     # fork: the child inherits the listening socket, so the parent can connect at once
     ctx = mp.get_context("fork")
-    out = {}
-    for conns in (1, 2):
-        part = total // conns
-        servers = [socket.create_server(("127.0.0.1", 0)) for _ in range(conns)]
-        procs = [ctx.Process(target=_sender, args=(s, part), daemon=True) for s in servers]
-        for p in procs:
-            p.start()
-        socks = []
-        for srv in servers:
-            socks.append(socket.create_connection(srv.getsockname()))
-            socks[-1].settimeout(60)
-            srv.close()
-        bufs = [memoryview(bytearray(part)) for _ in range(conns)]
-        pool = ThreadPoolExecutor(conns)
+    part = total // conns
+    servers = [socket.create_server(("127.0.0.1", 0)) for _ in range(conns)]
+    procs = [ctx.Process(target=_sender, args=(s, part), daemon=True) for s in servers]
+    for p in procs:
+        p.start()
+    socks = []
+    for srv in servers:
+        socks.append(socket.create_connection(srv.getsockname()))
+        socks[-1].settimeout(60)
+        srv.close()
+    bufs = [memoryview(bytearray(part)) for _ in range(conns)]
+    pool = ThreadPoolExecutor(conns)
 
-        def one(k: int) -> None:
-            socks[k].sendall(b"x")
-            _recv_exact(socks[k], bufs[k])
+    def one(k: int) -> None:
+        socks[k].sendall(b"x")
+        _recv_exact(socks[k], bufs[k])
 
-        def run() -> None:
-            if conns == 1:
-                one(0)
-            else:
-                list(pool.map(one, range(conns)))
+    def run() -> None:
+        if conns == 1:
+            one(0)
+        else:
+            list(pool.map(one, range(conns)))
 
-        out[f"{conns}_connection{'s' if conns > 1 else ''}"] = with_gbps(
-            timed(run, trials), part * conns
-        )
+    try:
+        return with_gbps(timed(run, trials), part * conns)
+    finally:
         pool.shutdown()
         for s in socks:
             s.close()
@@ -206,7 +205,13 @@ def bench_tcp(total: int, trials: int) -> dict:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
-    return out
+
+
+def bench_tcp(total: int, trials: int) -> dict:
+    return {
+        "1_connection": _tcp_case(total, 1, trials),
+        "2_connections": _tcp_case(total, 2, trials),
+    }
 
 
 # ------------------------------------------------------------------------- (c) Redis
