@@ -262,9 +262,26 @@ def bench_redis(url: str, n: int, page: int, trials: int) -> dict:
             del vals
 
         out["kvmesh_reader_mget"] = timed(kvmesh_reader, trials)
+
+        def kvmesh_reader_batches(batch: int):
+            def run() -> None:  # one MGET after the other, as a batched restore reads
+                for at in range(0, n, batch):
+                    part = keys[at : at + batch]
+                    sock1.sendall(_resp_command(b"MGET", *part))
+                    vals = read_mget_reply(sock1, len(part), slabs)
+                    del vals
+
+            return run
+
+        for batch in (22, 8):
+            out[f"kvmesh_reader_mget_of_{batch}_in_turn"] = timed(
+                kvmesh_reader_batches(batch), trials
+            )
         sock1.close()
 
-        def raw_reader(conns: int, pipelined_gets: bool = False):
+        def raw_reader(conns: int, pipelined_gets: bool = False, batch: int = 0):
+            """``conns`` connections, each asking for its share of the keys as one MGET,
+            as pipelined GETs, or as pipelined MGETs of ``batch`` keys each."""
             socks = [_connect(url) for _ in range(conns)]
             per = [keys[k * n // conns : (k + 1) * n // conns] for k in range(conns)]
             bufs = []
@@ -274,8 +291,10 @@ def bench_redis(url: str, n: int, page: int, trials: int) -> dict:
                     cmds.append(b"".join(_resp_command(b"GET", k) for k in part))
                     nbytes = len(part) * value_reply
                 else:
-                    cmds.append(_resp_command(b"MGET", *part))
-                    nbytes = len(b"*%d\r\n" % len(part)) + len(part) * value_reply
+                    step = batch or len(part)
+                    groups = [part[at : at + step] for at in range(0, len(part), step)]
+                    cmds.append(b"".join(_resp_command(b"MGET", *g) for g in groups))
+                    nbytes = sum(len(b"*%d\r\n" % len(g)) + len(g) * value_reply for g in groups)
                 bufs.append(memoryview(bytearray(nbytes)))
             pool = ThreadPoolExecutor(conns) if conns > 1 else None
 
@@ -297,17 +316,22 @@ def bench_redis(url: str, n: int, page: int, trials: int) -> dict:
 
             return run, bufs, close
 
-        for name, conns, gets in (
-            ("raw_mget_1_connection", 1, False),
-            ("raw_pipelined_get_1_connection", 1, True),
-            ("raw_mget_2_connections", 2, False),
-            ("raw_mget_4_connections", 4, False),
+        for name, conns, gets, batch in (
+            ("raw_mget_1_connection", 1, False, 0),
+            ("raw_pipelined_get_1_connection", 1, True, 0),
+            ("raw_pipelined_mget_of_32_1_connection", 1, False, 32),
+            ("raw_pipelined_mget_of_16_1_connection", 1, False, 16),
+            ("raw_pipelined_mget_of_8_1_connection", 1, False, 8),
+            ("raw_pipelined_mget_of_4_1_connection", 1, False, 4),
+            ("raw_mget_2_connections", 2, False, 0),
+            ("raw_pipelined_mget_of_16_2_connections", 2, False, 16),
+            ("raw_mget_4_connections", 4, False, 0),
         ):
-            run, bufs, close = raw_reader(conns, gets)
+            run, bufs, close = raw_reader(conns, gets, batch)
             try:
                 run()
                 # the reply is what was stored: the value bytes sit at fixed offsets
-                head = 0 if gets else len(b"*%d\r\n" % (n // conns))
+                head = 0 if gets else len(b"*%d\r\n" % (batch or n // conns))
                 first = bytes(bufs[0][head + value_reply - page - 2 : head + value_reply - 2])
                 if first != values[0]:
                     raise RuntimeError(f"{name}: the reply is not the stored value")

@@ -9,11 +9,12 @@ or a Redis tier, the spill drained before the restore is timed). Timers wrap the
 the restore, each as milliseconds from the request's submission (medians of ``--repeats``):
 
 * ``fetch_submitted``: the scheduler started the promotion (``KVOffloader.start_fetch``);
-* ``fetch_begin`` / ``fetch_end``: the fetch thread's run (lookup, tier read, codec checks);
-* ``tier_get``: the tier's own read (host: dict lookups; Redis: the MGET, reply included);
+* ``fetch_begin`` / ``fetch_end``: the fetch thread's run (lookup, tier reads, codec checks);
+* ``tier_get``: the tier's own reads, summed (host: dict lookups; Redis: the MGETs, replies
+  included);
 * ``codec_checks``: summed time in ``codec.decode`` (header and xxh3-128 of each page);
 * ``write_begin`` / ``write_end``: the copy of the fetched pages into the pool (engine
-  thread);
+  thread), the first batch's start and the last batch's end; ``write``: their summed time;
 * ``step_begin`` / ``step_end``: the model step that computes the last token;
 * ``ttft``: ``generate`` returned (one token).
 
@@ -48,7 +49,12 @@ class Timeline:
         self.sums: dict[str, float] = {}
 
     def mark(self, name: str) -> None:
-        self.marks.setdefault(name, time.perf_counter() - self.t0)
+        """The first time of a ``*_begin``, the last of anything else."""
+        t = time.perf_counter() - self.t0
+        if name.endswith("_begin"):
+            self.marks.setdefault(name, t)
+        else:
+            self.marks[name] = t
 
     def add(self, name: str, seconds: float) -> None:
         self.sums[name] = self.sums.get(name, 0.0) + seconds
@@ -87,7 +93,7 @@ def instrument(llm: LLM) -> None:
     wrap(off, "_fetch_run_all", before="fetch_begin", after="fetch_end")
     for tier in eng.connector.store.tiers:
         wrap(tier, "get", total="tier_get")
-    wrap(eng.connector.memory, "write", before="write_begin", after="write_end")
+    wrap(eng.connector.memory, "write", before="write_begin", after="write_end", total="write")
     wrap(eng.runner, "execute", before="step_begin", after="step_end")
 
 
@@ -116,6 +122,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--redis-url", default=None)
     ap.add_argument("--skip", default="", help="comma list of: host, redis")
+    ap.add_argument(
+        "--fetch-batch-pages",
+        type=int,
+        default=None,
+        help="pages per batch of a restore (default: the engine's; 0: the whole run in one "
+        "batch, as before restores were batched)",
+    )
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     # codec checks: summed inside TieredStore.get
@@ -144,6 +157,10 @@ def main() -> None:
                 tier = llm.engine.connector.store.tiers[0]
                 tier._pool.connection_kwargs.update(socket_timeout=10.0)
                 tier._pool.disconnect()
+            off = llm.engine.connector.offloader
+            if args.fetch_batch_pages is not None:
+                off.fetch_batch_pages = args.fetch_batch_pages or 1 << 30
+            out["fetch_batch_pages"] = off.fetch_batch_pages
             instrument(llm)
             n = args.prefix_tokens + 1
             prompts, pos = [], 0
