@@ -2,7 +2,12 @@
 21). Prints one JSON object.
 
     .venv/bin/python bench/restore_stages.py [--prefix-tokens 2048] [--repeats 3]
-        [--redis-url URL] [--skip host,redis]
+        [--redis-url URL] [--skip host,redis] [--fetch-batch-pages N] [--compare-one-batch]
+
+``--compare-one-batch`` restores every prompt twice, read in batches (the engine's way) and
+in one batch (the way before restores were batched), alternating which goes first, so the
+before/after pair of each prompt shares the machine's load of that moment;
+``over_device_hit`` is each restore's TTFT over the same prompt's device hit.
 
 Same setup as bench/tiers.py's TTFT part (SmolLM2, 512 MiB of device KV, a 4 GiB host tier
 or a Redis tier, the spill drained before the restore is timed). Timers wrap the stages of
@@ -129,6 +134,12 @@ def main() -> None:
         help="pages per batch of a restore (default: the engine's; 0: the whole run in one "
         "batch, as before restores were batched)",
     )
+    ap.add_argument(
+        "--compare-one-batch",
+        action="store_true",
+        help="also restore each prompt read in one batch (the read before batching), "
+        "alternating which goes first: a before/after pair per prompt, in one process",
+    )
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     # codec checks: summed inside TieredStore.get
@@ -160,7 +171,10 @@ def main() -> None:
             off = llm.engine.connector.offloader
             if args.fetch_batch_pages is not None:
                 off.fetch_batch_pages = args.fetch_batch_pages or 1 << 30
-            out["fetch_batch_pages"] = off.fetch_batch_pages
+            out["fetch_batch_pages"] = batched = off.fetch_batch_pages
+            modes = [("restore", batched)]
+            if args.compare_one_batch:
+                modes.append(("restore_one_batch", 1 << 30))
             instrument(llm)
             n = args.prefix_tokens + 1
             prompts, pos = [], 0
@@ -168,18 +182,23 @@ def main() -> None:
                 prompts.append(llm.tokenizer.encode(text[pos : pos + n * 6])[:n])
                 pos += n * 6
             timed_request(llm, prompts[-1])  # warm-up
-            dev, rest = [], []
-            for p in prompts[: args.repeats]:
+            dev: list[dict] = []
+            rows: dict[str, list[dict]] = {name: [] for name, _ in modes}
+            for i, p in enumerate(prompts[: args.repeats]):
                 timed_request(llm, p)  # cold
                 dev.append(timed_request(llm, p))
-                llm.reset_prefix_cache()
-                llm.engine.connector.drain()
-                r = timed_request(llm, p)
-                assert r["tiers"].get(kind, 0) >= args.prefix_tokens - 16, r["tiers"]
-                rest.append(r)
+                for name, pages in modes if i % 2 == 0 else modes[::-1]:
+                    off.fetch_batch_pages = pages
+                    llm.reset_prefix_cache()
+                    llm.engine.connector.drain()
+                    r = timed_request(llm, p)
+                    assert r["tiers"].get(kind, 0) >= args.prefix_tokens - 16, r["tiers"]
+                    r["over_device_hit"] = r["ttft"] / dev[-1]["ttft"]
+                    rows[name].append(r)
             llm.close()
             del llm
-            out[kind] = {"device_hit": medians(dev), "restore": medians(rest)}
+            out[kind] = {"device_hit": medians(dev)}
+            out[kind].update({name: medians(r) for name, r in rows.items()})
     out["loadavg_1m_end"] = os.getloadavg()[0]
     out["machine"] = machine_info()
     print(json.dumps(out, indent=1))

@@ -46,6 +46,10 @@ FETCH_ABANDON_PEER_TIMEOUTS = 3  # ... or this many peer timeouts, if longer
 # a store fetch is read and checked in batches of about this many bytes, each handed to the
 # engine as it is validated (one Redis MGET each): the copy into the pool overlaps the rest
 FETCH_BATCH_BYTES = 16 << 20
+# after handing a batch over, the fetch thread sleeps this long: the engine thread it woke
+# needs the GIL to start copying, and a thread that keeps running Python (a host fetch's
+# checks) lets it in only after the interpreter's 5 ms switch interval
+PUBLISH_YIELD_S = 0.0002
 
 
 @dataclass
@@ -374,6 +378,7 @@ class KVOffloader:
             self._partial[request_id] = part
             self._news = True
         self._done.set()  # wake an engine waiting for it
+        time.sleep(PUBLISH_YIELD_S)  # and let it have the GIL
 
     def take_partial(self, request_id: str) -> FetchResult | None:
         """While this request's fetch runs: the validated leading part of its run that has
