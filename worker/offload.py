@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from kvmesh.kernels.page_format import read_pages
-from kvmesh.kvstore.codec import PageSpec
+from kvmesh.kvstore.codec import PageSpec, max_object_bytes
 from kvmesh.kvstore.host import HostTier
 from kvmesh.kvstore.store import TieredStore
 from kvmesh.worker.daemon_executor import DaemonExecutor
@@ -94,8 +94,9 @@ class KVOffloader:
         self._evicted: list[tuple[bytes, int]] = []  # (hash, page id) awaiting a copy
         self._fetches: dict[str, Future] = {}
         self._fetch_info: dict[str, tuple[Request, int]] = {}  # request id -> (it, first page)
-        # pages per batch of a store fetch (at least 1)
-        self.fetch_batch_pages = max(1, FETCH_BATCH_BYTES // self.page_nbytes)
+        # pages per batch of a store fetch (at least 1): whole stored objects (header
+        # included) per batch, so a batch read from Redis fits one 16 MiB receive slab
+        self.fetch_batch_pages = max(1, FETCH_BATCH_BYTES // max_object_bytes(spec))
         # request id -> the validated leading part of its run so far, while its fetch runs
         # (fetch thread writes, engine thread reads: whole lists swapped under the lock)
         self._partial: dict[str, list[tuple[str, memoryview] | None]] = {}
