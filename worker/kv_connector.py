@@ -17,8 +17,11 @@ Promotion, step by step (docs/architecture.md has the same list):
    Its device pages (and any later ones past a gap) are held, so other work cannot evict
    the prefix the promoted pages continue, and a fetch of the rest starts on the thread.
 2. The thread looks the pages up in the store, then in each hinted peer, and fetches the
-   longest consecutive run (validated by the codec) as zero-copy views.
-3. ``finish_promotion`` (engine thread): pages the device gained meanwhile need no copy; the
+   longest consecutive run (validated by the codec) as zero-copy views, from the store in
+   batches, each handed over as soon as it is validated.
+3. ``finish_promotion`` (engine thread): while the fetch runs, the batches validated so far
+   are written (the copy into the pool overlaps the reading of the next batch); once it is
+   done, the rest. Pages the device gained meanwhile need no copy; the
    rest go into free pages, one copy each, then are published as cached pages and held.
    A run that does not fit beside room for the running requests waits for them to free
    pages, at most ``MAX_DEFER_STEPS`` steps; then (or when nothing runs) what fits goes in.
@@ -146,8 +149,11 @@ class KVConnector:
         entry = self._fetched.pop(req.request_id, None)
         if entry is None:
             res = self.offloader.take_fetch(req.request_id)
-            if res is None:
-                return False  # still in flight
+            if res is None:  # still in flight: write the batches validated so far
+                part = self.offloader.take_partial(req.request_id)
+                if part is not None:
+                    self._write(part, 0, room_needed, partial=True)  # or nothing, to wait
+                return False
             entry = (res, 0)
         res, deferred = entry
         if not self._write(res, deferred, room_needed):
@@ -156,11 +162,17 @@ class KVConnector:
         req.status = RequestStatus.WAITING
         return True
 
-    def _write(self, res: FetchResult, deferred: int, room_needed: bool) -> bool:
+    def _write(
+        self, res: FetchResult, deferred: int, room_needed: bool, partial: bool = False
+    ) -> bool:
         """Cache a fetched run in the pool and hold it for its request. False (nothing
-        written) when it should wait for room."""
+        written) when it should wait for room. ``partial``: the leading part of a run whose
+        fetch goes on (``take_partial``); the request's device pages past it stay held."""
         req, kv = res.request, self.kv
         first, end = res.first_page, res.first_page + len(res.tiers)
+        # a part keeps every device page of the prefix held (start_promotion held those past
+        # a gap too, and the rest of the run may continue into them)
+        hold_end = req.max_cached_pages() if partial else end
         hashes = req.page_hashes[first:end]
         # pages the device has (held since the start, or gained meanwhile) need no copy
         todo = [
@@ -170,7 +182,7 @@ class KVConnector:
         ]
         # hold the part of the run the device has before taking pages for the rest, so
         # taking them cannot evict it
-        self._hold_run(req, end)
+        self._hold_run(req, hold_end)
         reserve = kv.num_pages // 8  # room for the running requests' next pages
         if (
             todo
@@ -179,7 +191,8 @@ class KVConnector:
             and deferred < MAX_DEFER_STEPS
         ):
             return False
-        req.promoted_run = end  # the run it can now expect
+        if not partial:
+            req.promoted_run = end  # the run it can now expect
 
         def write(page_ids: list[int]) -> None:
             self.save_evicted()  # the taken pages' old contents leave first
@@ -188,7 +201,7 @@ class KVConnector:
         pages = kv.insert_cached_pages(req, [first + i for i in todo], write)
         for i in todo[: len(pages)]:
             req.promoted_from[hashes[i]] = res.tiers[i]
-        self._hold_run(req, end)
+        self._hold_run(req, hold_end)
         kv.unpin(pages)  # the hold keeps them now
         return True
 

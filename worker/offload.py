@@ -8,7 +8,9 @@ Fetches run on their own thread, so the step loop never waits on Redis or a peer
 requests could run: for a request being promoted, the fetch thread asks the store (then the
 peers the request names) for the longest run of consecutive pages any of them holds and
 fetches them, validated by the codec. The connector (worker/kv_connector.py) writes them
-into the pool on the engine thread.
+into the pool on the engine thread. The store's part of a run is fetched in batches of about
+``FETCH_BATCH_BYTES``; each validated batch is handed over at once (``take_partial``), so
+the engine copies batch i into the pool while the fetch thread reads and checks batch i + 1.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from kvmesh.kernels.page_format import read_pages
-from kvmesh.kvstore.codec import PageSpec
+from kvmesh.kvstore.codec import PageSpec, max_object_bytes
 from kvmesh.kvstore.host import HostTier
 from kvmesh.kvstore.store import TieredStore
 from kvmesh.worker.daemon_executor import DaemonExecutor
@@ -41,6 +43,13 @@ PEER_COUNTERS = ("errors", "corrupt", "data_plane_bytes", "grpc_bytes", "fetches
 # timeouts), so only a call stuck past its own deadline gets here
 FETCH_ABANDON_MIN_S = 60.0
 FETCH_ABANDON_PEER_TIMEOUTS = 3  # ... or this many peer timeouts, if longer
+# a store fetch is read and checked in batches of about this many bytes, each handed to the
+# engine as it is validated (one Redis MGET each): the copy into the pool overlaps the rest
+FETCH_BATCH_BYTES = 16 << 20
+# after handing a batch over, the fetch thread sleeps this long: the engine thread it woke
+# needs the GIL to start copying, and a thread that keeps running Python (a host fetch's
+# checks) lets it in only after the interpreter's 5 ms switch interval
+PUBLISH_YIELD_S = 0.0002
 
 
 @dataclass
@@ -85,6 +94,14 @@ class KVOffloader:
         self._evicted: list[tuple[bytes, int]] = []  # (hash, page id) awaiting a copy
         self._fetches: dict[str, Future] = {}
         self._fetch_info: dict[str, tuple[Request, int]] = {}  # request id -> (it, first page)
+        # pages per batch of a store fetch (at least 1): whole stored objects (header
+        # included) per batch, so a batch read from Redis fits one 16 MiB receive slab
+        self.fetch_batch_pages = max(1, FETCH_BATCH_BYTES // max_object_bytes(spec))
+        # request id -> the validated leading part of its run so far, while its fetch runs
+        # (fetch thread writes, engine thread reads: whole lists swapped under the lock)
+        self._partial: dict[str, list[tuple[str, memoryview] | None]] = {}
+        self._partial_taken: dict[str, int] = {}  # request id -> pages already handed out
+        self._news = False  # a batch arrived since the engine last waited
         # (request id, start) of the fetch the fetch thread runs now, None between fetches
         self._running: tuple[str, float] | None = None
         self._peer_lock = threading.Lock()  # _peer_store: an abandoned thread may still run
@@ -263,10 +280,16 @@ class KVOffloader:
         store.close()
 
     def _fetch_run(
-        self, store: TieredStore, hashes: list[bytes], on_device: list[bool]
+        self,
+        store: TieredStore,
+        hashes: list[bytes],
+        on_device: list[bool],
+        publish: Callable[[list], None] | None = None,
     ) -> list[tuple[str, memoryview] | None]:
         """The longest run from the start of ``hashes`` in which every page is on the device
-        (``None`` in the result: nothing to fetch) or valid in ``store``."""
+        (``None`` in the result: nothing to fetch) or valid in ``store``. Read in batches of
+        ``fetch_batch_pages``; after each, ``publish`` gets the validated leading part of
+        the run so far (a new list each time)."""
         where = store.locate([h for h, d in zip(hashes, on_device) if not d])
         it = iter(where)
         n = 0
@@ -275,12 +298,17 @@ class KVOffloader:
                 break
             n += 1
         need = [i for i in range(n) if not on_device[i]]
-        got = store.get([hashes[i] for i in need])
         out: list[tuple[str, memoryview] | None] = [None] * n
-        for i, g in zip(need, got):
-            if g is None:  # vanished or corrupt since the lookup: the run ends before it
-                return out[:i]
-            out[i] = g
+        step = self.fetch_batch_pages
+        for at in range(0, len(need), step):
+            part = need[at : at + step]
+            got = store.get([hashes[i] for i in part])
+            for i, g in zip(part, got):
+                if g is None:  # vanished or corrupt since the lookup: the run ends before it
+                    return out[:i]
+                out[i] = g
+            if publish is not None and at + step < len(need):  # the last: the result itself
+                publish(out[: need[at + step]])
         return out
 
     def _fetch(self, req: Request, *args) -> FetchResult:
@@ -311,7 +339,10 @@ class KVOffloader:
             wait(spilled)  # the spills of this request's own pages
             got: list = []
             if self.store is not None:
-                got = self._fetch_run(self.store, hashes, on_device)
+                rid = req.request_id
+                got = self._fetch_run(
+                    self.store, hashes, on_device, lambda part: self._publish(rid, part)
+                )
             if self._peer_identity is None:
                 hints = []  # a member may fetch only as a member; make_request refuses them
             else:
@@ -339,6 +370,29 @@ class KVOffloader:
         if hook is not None and fetched and started is not None:
             hook(time.monotonic() - started, tiers)
         return FetchResult(req, first_page, tiers, payloads)
+
+    def _publish(self, request_id: str, part: list) -> None:
+        """A validated leading part of a run, for ``take_partial`` (fetch thread)."""
+        with self._lock:
+            if request_id not in self._fetch_info:  # cancelled meanwhile
+                return
+            self._partial[request_id] = part
+            self._news = True
+        self._done.set()  # wake an engine waiting for it
+        time.sleep(PUBLISH_YIELD_S)  # and let it have the GIL
+
+    def take_partial(self, request_id: str) -> FetchResult | None:
+        """While this request's fetch runs: the validated leading part of its run that has
+        arrived since the last call (from the run's start, as a ``FetchResult``), or None
+        when nothing new has. Engine thread."""
+        with self._lock:
+            part = self._partial.get(request_id)
+            if part is None or len(part) <= self._partial_taken.get(request_id, 0):
+                return None
+            self._partial_taken[request_id] = len(part)
+            req, first = self._fetch_info[request_id]
+        tiers = ["device" if g is None else g[0] for g in part]
+        return FetchResult(req, first, tiers, [None if g is None else g[1] for g in part])
 
     def peer_stores(self) -> list[TieredStore]:
         """The one-tier stores of the peers requests have named lately (one per address, at
@@ -371,7 +425,10 @@ class KVOffloader:
     def cancel(self, request_id: str) -> None:
         """Forget a request's fetch (aborted); its result, if any, is dropped."""
         self._fetches.pop(request_id, None)
-        self._fetch_info.pop(request_id, None)
+        with self._lock:
+            self._fetch_info.pop(request_id, None)
+            self._partial.pop(request_id, None)
+            self._partial_taken.pop(request_id, None)
 
     def take_fetch(self, request_id: str) -> FetchResult | None:
         """The finished fetch of this request (once), or None while it is in flight. A
@@ -418,11 +475,14 @@ class KVOffloader:
             self._done.set()
 
     def wait_for_fetch(self, timeout: float) -> None:
-        """Block until some fetch finishes (or ``timeout``): for an engine with nothing else
-        to run."""
-        if self._fetches and not any(f.done() for f in self._fetches.values()):
+        """Block until some fetch finishes or hands over a batch (``take_partial``), or
+        ``timeout``: for an engine with nothing else to run."""
+        if self._fetches and not self._news and not any(f.done() for f in self._fetches.values()):
             self._done.wait(timeout)
+        # a batch published between the wait and here is not lost: the engine steps next
+        # and every PROMOTING request it reaches asks for what has arrived
         self._done.clear()
+        self._news = False
 
     def close(self) -> None:
         self._fetch_pool.shutdown(cancel_futures=True)

@@ -131,6 +131,74 @@ def test_a_promoted_request_is_admitted_once_with_its_pages_byte_exact():
     assert req.num_promotions == 1
 
 
+class GatedHost(HostTier):
+    """A host tier whose second ``get`` waits for ``gate``: a restore whose first batch has
+    arrived and whose second is still on its way."""
+
+    def __init__(self):
+        super().__init__(1 << 20)
+        self.gate = threading.Event()
+        self.gets = 0
+
+    def get(self, hashes):
+        self.gets += 1
+        if self.gets == 2:
+            assert self.gate.wait(10)
+        return super().get(hashes)
+
+
+def test_a_restore_in_batches_writes_each_batch_as_it_arrives_byte_exact():
+    host = GatedHost()
+    sched, conn, memory, _ = make([host])
+    conn.offloader.fetch_batch_pages = 2  # 4 pages: two batches
+    req = make_req("r", range(10, 27))  # 17 tokens: 4 full pages can be served
+    payloads = [bytes([i + 1]) * LAYOUT.page_nbytes for i in range(4)]
+    conn.store.put(list(zip(req.page_hashes[:4], payloads)))
+    sched.add(req)
+    try:
+        assert sched.schedule().scheduled == [] and req.status is RequestStatus.PROMOTING
+        kv = sched.kv
+        for _ in range(20):  # the first batch is written while the second is held up
+            assert step(sched, conn) == []
+            if kv.cached_page(req.page_hashes[1]) is not None:
+                break
+        first = [kv.cached_page(h) for h in req.page_hashes[:4]]
+        assert all(p is not None for p in first[:2]) and first[2:] == [None, None]
+        assert [page_bytes(memory, p.page_id) for p in first[:2]] == payloads[:2]
+        assert req.status is RequestStatus.PROMOTING and not host.gate.is_set()
+    finally:
+        host.gate.set()
+    steps = run_until_scheduled(sched, conn)
+    assert steps[-1] == [("r", 1)]  # only the last prompt token is computed
+    assert req.num_cached_tokens == 16 and req.cached_by_tier == {"host": 16}
+    table = sched.kv.page_ids(req)
+    assert table[:2] == [p.page_id for p in first[:2]]  # the batch written early, kept
+    assert [page_bytes(memory, p) for p in table[:4]] == payloads
+    assert conn.metrics()["offload"]["promoted_pages"] == 4
+
+
+def test_a_corrupt_page_in_a_later_batch_ends_the_run_there():
+    host = HostTier(1 << 20)
+    sched, conn, memory, _ = make([host])
+    conn.offloader.fetch_batch_pages = 2
+    req = make_req("r", range(10, 27))
+    payloads = [bytes([i + 1]) * LAYOUT.page_nbytes for i in range(4)]
+    conn.store.put(list(zip(req.page_hashes[:4], payloads)))
+    (obj,) = host.get([req.page_hashes[2]])  # page 2, first of the second batch: torn
+    host.put([(req.page_hashes[2], obj[:-1] + bytes([obj[-1] ^ 1]))])
+    sched.add(req)
+    assert sched.schedule().scheduled == [] and req.status is RequestStatus.PROMOTING
+    steps = run_until_scheduled(sched, conn)
+    assert steps[-1] == [("r", 17 - 8)]  # pages 0-1 restored, the rest computed
+    assert req.num_cached_tokens == 8 and req.cached_by_tier == {"host": 8}
+    table = sched.kv.page_ids(req)
+    assert [page_bytes(memory, p) for p in table[:2]] == payloads[:2]
+    # nothing past the torn page was promoted (page 3 is valid, but the run ends before it)
+    assert set(req.promoted_from) == set(req.page_hashes[:2])
+    assert conn.metrics()["offload"]["promoted_pages"] == 2
+    assert conn.metrics()["tiers"]["host"]["corrupt"] == 1
+
+
 def test_a_failed_fetch_computes_the_prefix_instead():
     sched, conn, _, _ = make([BrokenTier()])
     req = make_req("r", range(10, 19))
