@@ -226,10 +226,14 @@ class KVOffloader:
         # hold it up (behind a burst of evictions they would queue a restore for seconds).
         with self._lock:
             spilled = {self._spilling[h] for h in hashes if h in self._spilling}
-        self._fetch_info[req.request_id] = (req, first_page)  # before the thread may start
+        # before the thread may start; this tuple is also the fetch's identity: a batch
+        # published by an older fetch of the same request (abandoned, back to life after
+        # the request started another) is not this one's (``_publish``)
+        info = self._fetch_info[req.request_id] = (req, first_page)
         fut = self._fetch_pool.submit(
-            self._fetch, req, first_page, list(hashes), list(on_device), spilled, time.monotonic()
-        )
+            self._fetch, req, first_page, list(hashes), list(on_device), spilled,
+            time.monotonic(), info,
+        )  # fmt: skip
         self._fetches[req.request_id] = fut
         fut.add_done_callback(lambda _: self._done.set())
 
@@ -332,16 +336,17 @@ class KVOffloader:
         on_device: list[bool],
         spilled: Collection[Future] = (),
         started: float | None = None,
+        fetch: tuple | None = None,
     ) -> FetchResult:
         tiers: list[str] = []
         payloads: list[memoryview | None] = []
+        got: list = []
         try:
             wait(spilled)  # the spills of this request's own pages
-            got: list = []
             if self.store is not None:
                 rid = req.request_id
                 got = self._fetch_run(
-                    self.store, hashes, on_device, lambda part: self._publish(rid, part)
+                    self.store, hashes, on_device, lambda part: self._publish(rid, fetch, part)
                 )
             if self._peer_identity is None:
                 hints = []  # a member may fetch only as a member; make_request refuses them
@@ -352,14 +357,18 @@ class KVOffloader:
                     break
                 rest = slice(len(got), None)
                 got += self._fetch_run(self._peer_store(address), hashes[rest], on_device[rest])
-            for g in got:
-                tiers.append("device" if g is None else g[0])  # device: held, not fetched
-                payloads.append(None if g is None else g[1])
-        except Exception:  # a tier bug must not fail the request: it is recomputed
+        except Exception:  # a tier bug must not fail the request: it computes the rest
             logger.exception("fetching %s's prefix failed; computing it", req.request_id)
             with self._lock:
                 self.metrics["promotion_errors"] += 1
-            tiers, payloads = [], []
+                if not got and fetch is not None and self._fetch_info.get(req.request_id) is fetch:
+                    # the batches validated before the failure (the engine may have
+                    # written them already): the run keeps them, or it would look
+                    # shorter than the device's and be promoted again at once
+                    got = list(self._partial.get(req.request_id, ()))
+        for g in got:
+            tiers.append("device" if g is None else g[0])  # device: held, not fetched
+            payloads.append(None if g is None else g[1])
         fetched = [t for t in tiers if t != "device"]
         with self._lock:
             self.metrics["promotions"] += 1
@@ -371,10 +380,13 @@ class KVOffloader:
             hook(time.monotonic() - started, tiers)
         return FetchResult(req, first_page, tiers, payloads)
 
-    def _publish(self, request_id: str, part: list) -> None:
-        """A validated leading part of a run, for ``take_partial`` (fetch thread)."""
+    def _publish(self, request_id: str, fetch: tuple | None, part: list) -> None:
+        """A validated leading part of a run, for ``take_partial`` (fetch thread). ``fetch``:
+        the ``_fetch_info`` entry this run was started with; the part is dropped once that
+        fetch was cancelled or replaced by a newer one of the same request (whose first
+        page may differ: the old part under the new hashes would cache wrong bytes)."""
         with self._lock:
-            if request_id not in self._fetch_info:  # cancelled meanwhile
+            if fetch is None or self._fetch_info.get(request_id) is not fetch:
                 return
             self._partial[request_id] = part
             self._news = True

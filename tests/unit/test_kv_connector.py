@@ -199,6 +199,54 @@ def test_a_corrupt_page_in_a_later_batch_ends_the_run_there():
     assert conn.metrics()["tiers"]["host"]["corrupt"] == 1
 
 
+class FailingSecondGet(HostTier):
+    """A host tier whose second ``get`` raises: a restore that fails after its first batch
+    was validated (and perhaps written)."""
+
+    def __init__(self):
+        super().__init__(1 << 20)
+        self.gets = 0
+
+    def get(self, hashes):
+        self.gets += 1
+        if self.gets == 2:
+            raise ConnectionError("the tier went away")
+        return super().get(hashes)
+
+
+def test_a_fetch_failing_after_its_first_batch_keeps_that_batch_and_stops():
+    host = FailingSecondGet()
+    sched, conn, memory, _ = make([host])
+    conn.offloader.fetch_batch_pages = 2
+    req = make_req("r", range(10, 27))
+    payloads = [bytes([i + 1]) * LAYOUT.page_nbytes for i in range(4)]
+    conn.store.put(list(zip(req.page_hashes[:4], payloads)))
+    sched.add(req)
+    assert sched.schedule().scheduled == [] and req.status is RequestStatus.PROMOTING
+    steps = run_until_scheduled(sched, conn)
+    assert steps[-1] == [("r", 17 - 8)]  # pages 0-1 restored, the rest computed
+    assert req.num_cached_tokens == 8 and req.cached_by_tier == {"host": 8}
+    table = sched.kv.page_ids(req)
+    assert [page_bytes(memory, p) for p in table[:2]] == payloads[:2]
+    assert req.num_promotions == 1  # not promoted again for the pages it wrote
+    assert conn.metrics()["offload"]["promotion_errors"] == 1
+    assert conn.metrics()["offload"]["promoted_pages"] == 2
+
+
+def test_a_batch_published_by_a_replaced_fetch_is_dropped():
+    """An abandoned fetch that comes back to life after its request started a new fetch
+    (another first page) must not hand its pages to the new one."""
+    sched, conn, _, _ = make([HostTier(1 << 20)])
+    off = conn.offloader
+    req = make_req("r", range(10, 27))
+    old = off._fetch_info[req.request_id] = (req, 0)
+    off._fetch_info[req.request_id] = (req, 2)  # its successor
+    off._publish(req.request_id, old, [("host", memoryview(b"x"))])
+    assert off.take_partial(req.request_id) is None
+    off._publish(req.request_id, off._fetch_info[req.request_id], [("host", memoryview(b"y"))])
+    assert off.take_partial(req.request_id).first_page == 2
+
+
 def test_a_failed_fetch_computes_the_prefix_instead():
     sched, conn, _, _ = make([BrokenTier()])
     req = make_req("r", range(10, 19))
