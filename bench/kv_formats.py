@@ -122,16 +122,19 @@ def decode_row(llm, text: str, args) -> dict:
         eng.add(r, check_queue=False)
     t0, c0 = time.perf_counter(), time.process_time()
     t1 = c1 = None  # when every request has its first token
+    out1 = 0  # tokens out by then: requests admitted early decode while later ones prefill
     while eng.has_unfinished_requests():
         eng.step()
         if t1 is None and all(r.output_token_ids for r in reqs):
             t1, c1 = time.perf_counter(), time.process_time()
+            out1 = sum(len(r.output_token_ids) for r in reqs)
     t2, c2 = time.perf_counter(), time.process_time()
     return {
         "decode_prompt_tokens": plen,
         "decode_tokens_per_s": n * new / (t2 - t0),
         "decode_cpu_s": c2 - c0,
-        "decode_only_tokens_per_s": n * (new - 1) / (t2 - t1),
+        "decode_only_tokens": n * new - out1,
+        "decode_only_tokens_per_s": (n * new - out1) / (t2 - t1),
         "decode_only_cpu_s": c2 - c1,
         "decode_load_1min": os.getloadavg()[0],
     }
