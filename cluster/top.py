@@ -160,10 +160,13 @@ class TopModel:
         """Nothing to release: scrapes run in daemon threads, which an exit never waits for."""
 
 
+SCRAPES_AT_ONCE = 8
+
+
 def _in_daemon_threads(fn, items: list) -> list:
-    """``[fn(x) for x in items]``, one daemon thread each. Unlike a ThreadPoolExecutor's
-    workers, which the interpreter joins at exit, a scrape still in flight when Ctrl-C
-    lands does not hold up the exit."""
+    """``[fn(x) for x in items]``, in daemon threads, ``SCRAPES_AT_ONCE`` at a time. Unlike
+    a ThreadPoolExecutor's workers, which the interpreter joins at exit, a scrape still in
+    flight when Ctrl-C lands does not hold up the exit."""
     out: list = [None] * len(items)
     errors: list[BaseException] = []
 
@@ -173,14 +176,15 @@ def _in_daemon_threads(fn, items: list) -> list:
         except BaseException as e:  # raised in the caller's thread, below
             errors.append(e)
 
-    threads = [
-        threading.Thread(target=run, args=(i,), name=f"kvmesh-top-{i}", daemon=True)
-        for i in range(len(items))
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    for at in range(0, len(items), SCRAPES_AT_ONCE):
+        threads = [
+            threading.Thread(target=run, args=(i,), name=f"kvmesh-top-{i}", daemon=True)
+            for i in range(at, min(at + SCRAPES_AT_ONCE, len(items)))
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     if errors:
         raise errors[0]
     return out
@@ -261,7 +265,7 @@ def run_top(address: str, interval: float = 1.0, iterations: int = 0) -> int:
     from rich.live import Live
     from rich.text import Text
 
-    _ctrl_c_exits()
+    restore = _ctrl_c_exits()
     console = Console()
     model = TopModel(address)
     frames = 0
@@ -281,15 +285,24 @@ def run_top(address: str, interval: float = 1.0, iterations: int = 0) -> int:
         return 0
     finally:
         model.close()
+        restore()
 
 
-def _ctrl_c_exits() -> None:
+def _ctrl_c_exits():
     """Ctrl-C ends this interactive view even when its launcher ignored SIGINT (a script's
     ``cmd &`` without job control starts it ignored, and a child inherits that) or blocked
-    it; Python keeps an inherited SIG_IGN, and the view would sleep through every Ctrl-C."""
-    if threading.current_thread() is threading.main_thread():
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    it; Python keeps an inherited SIG_IGN, and the view would sleep through every Ctrl-C.
+    Returns what puts the handler and mask back (``run_top`` called from a program)."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def restore() -> None:
+        signal.signal(signal.SIGINT, handler if handler is not None else signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+    return restore
 
 
 def add_top_parser(subparsers) -> argparse.ArgumentParser:

@@ -242,6 +242,8 @@ class PrefillTuner:
     def _save(self, others: list[dict], entry: dict) -> None:
         if self.cache_path is None:
             return
+        # own-page entries from before they were keyed by page geometry match nothing now
+        others = [e for e in others if e.get("kind") != "own_page" or "page" in e]
         write_cache_file(self.cache_path, [*others, entry], CACHE_FORMAT, "prefill attention")
 
 

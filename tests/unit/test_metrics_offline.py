@@ -289,3 +289,47 @@ def test_router_server_checks_the_discovery_file_folder(tmp_path):
         assert groups[1]["labels"]["kvmesh_role"] == "worker"
     finally:
         srv.stop_in_thread(grace=0)
+
+
+def test_top_scrapes_in_order_at_most_eight_at_once_and_raises_their_errors():
+    import threading
+    import time as _time
+
+    from kvmesh.cluster.top import SCRAPES_AT_ONCE, _in_daemon_threads
+
+    lock, now, peak = threading.Lock(), [0], [0]
+
+    def scrape(x):
+        with lock:
+            now[0] += 1
+            peak[0] = max(peak[0], now[0])
+        _time.sleep(0.01)
+        with lock:
+            now[0] -= 1
+        return 2 * x
+
+    assert _in_daemon_threads(scrape, list(range(20))) == [2 * x for x in range(20)]
+    assert 1 < peak[0] <= SCRAPES_AT_ONCE
+
+    def bad(x):
+        if x == 3:
+            raise ValueError("not a metrics page")
+        return x
+
+    with pytest.raises(ValueError, match="not a metrics page"):
+        _in_daemon_threads(bad, list(range(5)))
+
+
+def test_top_makes_ctrl_c_work_and_puts_the_old_handler_back():
+    import signal
+
+    from kvmesh.cluster.top import _ctrl_c_exits
+
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)  # started from `cmd &`
+    try:
+        restore = _ctrl_c_exits()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        restore()
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, old)

@@ -141,11 +141,23 @@ def test_the_own_page_kind_is_cached_per_page_size_and_residual_pages(tmp_path, 
         t.use_c(100, 9, 3, 64, "own_page", (16, 0))
 
 
-def test_the_own_page_measurement_runs_at_the_given_geometry(lib):
+def test_the_own_page_measurement_runs_at_the_given_geometry(lib, monkeypatch):
+    """The timed kernel call reads the runs a cache of that geometry has: for the 128-token
+    bucket, 8-token pages and W = 1 leave 120 keys in the dequantized run; 32-token pages
+    and W = 3, 32."""
+    runs = []
+    real = cpu_attention.prefill_attention_runs_cpu
+
+    def spy(q, a, b, *rest, **kw):
+        runs.append((a[0].shape[0], b[0].shape[0]))
+        return real(q, a, b, *rest, **kw)
+
+    monkeypatch.setattr(cpu_attention, "prefill_attention_runs_cpu", spy)
     t = PrefillTuner(lib)
     for page in ((8, 1), (32, 3)):
         t.use_c(70, 4, 2, 64, kind="own_page", page=page)
     assert t.measured == 2
+    assert sorted(set(runs)) == [(32, 128), (120, 128)]
 
 
 def _step(lens, Hkv=3, D=64, bs=16):
