@@ -67,7 +67,7 @@ static inline void quant_sym_row(int fmt, const float *x, int64_t D, uint8_t *q,
 #endif
 
 /* fminf / fmaxf as x86-64 glibc returns them (b when equal, so -0.0 vs 0.0 too; a when b
- * is NaN; aarch64's fminnm orders -0.0 below 0.0, so there a ±0 tie may differ),
+ * is NaN; aarch64's fminnm orders -0.0 below 0.0, so there a +-0 tie may differ),
  * as comparisons, so a loop of them vectorises instead of calling libm per value */
 NO_TRAPS static inline float min_as_fminf(float a, float b) { return (a < b || b != b) ? a : b; }
 NO_TRAPS static inline float max_as_fmaxf(float a, float b) { return (a > b || b != b) ? a : b; }
