@@ -104,7 +104,10 @@ def test_int4_pages_are_the_same_bytes_on_every_build(libraries):
     """The int4 quantizer runs its loops across lanes (channels, value groups), vectorised on
     the native and AVX2 builds: the bytes must equal the scalar (portable) build's exactly,
     ties included (each lane sums its own group in value order), for odd lane counts too."""
-    for H, D, bs, seed in ((3, 64, 16, 1), (2, 20, 16, 2), (1, 128, 16, 3), (5, 32, 8, 4)):
+    for H, D, bs, seed in (
+        (3, 64, 16, 1), (2, 20, 16, 2), (1, 128, 16, 3), (5, 32, 8, 4),
+        (2, 128, 32, 5),  # 128 value groups a head: a second block of lanes, a short last one
+    ):  # fmt: skip
         n = 5
         layout = PageLayout("int4", 1, H, D, bs)
         k, v = _pages(n, bs, H, D, seed=seed)
@@ -164,6 +167,11 @@ def test_writer_names_out_of_range_indices(lib):
         cpu_quant.write_kv_cache_cpu(**bad, library=lib)
     bad = dict(kw, residual_slots=kw["residual_slots"].clone())
     bad["residual_slots"][0] = 10**6
+    with pytest.raises(ValueError, match="out of range"):
+        cpu_quant.write_kv_cache_cpu(**bad, library=lib)
+    assert kw["complete_pages"].numel() > 0  # the 20-token request completes a page
+    bad = dict(kw, complete_pages=kw["complete_pages"].clone())
+    bad["complete_pages"][0] = 10**6  # outside the pool
     with pytest.raises(ValueError, match="out of range"):
         cpu_quant.write_kv_cache_cpu(**bad, library=lib)
     assert torch.equal(sim.buf, before[0]) and torch.equal(sim.residual, before[1])
