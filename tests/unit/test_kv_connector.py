@@ -147,13 +147,30 @@ class GatedHost(HostTier):
         return super().get(hashes)
 
 
-def test_a_restore_in_batches_writes_each_batch_as_it_arrives_byte_exact():
-    host = GatedHost()
-    sched, conn, memory, _ = make([host])
-    conn.offloader.fetch_batch_pages = 2  # 4 pages: two batches
-    req = make_req("r", range(10, 27))  # 17 tokens: 4 full pages can be served
+def four_pages_in(tier):
+    """Request r (17 tokens: 4 full pages can be served) with its 4 pages in ``tier``, read
+    in batches of 2 pages: the store's part of its restore comes in two batches."""
+    sched, conn, memory, _ = make([tier])
+    conn.offloader.fetch_batch_pages = 2
+    req = make_req("r", range(10, 27))
     payloads = [bytes([i + 1]) * LAYOUT.page_nbytes for i in range(4)]
     conn.store.put(list(zip(req.page_hashes[:4], payloads)))
+    return sched, conn, memory, req, payloads
+
+
+def assert_first_batch_only(sched, conn, memory, req, payloads) -> None:
+    """Run r until scheduled: pages 0-1 restored byte-exact, the rest computed."""
+    steps = run_until_scheduled(sched, conn)
+    assert steps[-1] == [("r", 17 - 8)]
+    assert req.num_cached_tokens == 8 and req.cached_by_tier == {"host": 8}
+    table = sched.kv.page_ids(req)
+    assert [page_bytes(memory, p) for p in table[:2]] == payloads[:2]
+    assert conn.metrics()["offload"]["promoted_pages"] == 2
+
+
+def test_a_restore_in_batches_writes_each_batch_as_it_arrives_byte_exact():
+    host = GatedHost()
+    sched, conn, memory, req, payloads = four_pages_in(host)
     sched.add(req)
     try:
         assert sched.schedule().scheduled == [] and req.status is RequestStatus.PROMOTING
@@ -179,23 +196,14 @@ def test_a_restore_in_batches_writes_each_batch_as_it_arrives_byte_exact():
 
 def test_a_corrupt_page_in_a_later_batch_ends_the_run_there():
     host = HostTier(1 << 20)
-    sched, conn, memory, _ = make([host])
-    conn.offloader.fetch_batch_pages = 2
-    req = make_req("r", range(10, 27))
-    payloads = [bytes([i + 1]) * LAYOUT.page_nbytes for i in range(4)]
-    conn.store.put(list(zip(req.page_hashes[:4], payloads)))
+    sched, conn, memory, req, payloads = four_pages_in(host)
     (obj,) = host.get([req.page_hashes[2]])  # page 2, first of the second batch: torn
     host.put([(req.page_hashes[2], obj[:-1] + bytes([obj[-1] ^ 1]))])
     sched.add(req)
     assert sched.schedule().scheduled == [] and req.status is RequestStatus.PROMOTING
-    steps = run_until_scheduled(sched, conn)
-    assert steps[-1] == [("r", 17 - 8)]  # pages 0-1 restored, the rest computed
-    assert req.num_cached_tokens == 8 and req.cached_by_tier == {"host": 8}
-    table = sched.kv.page_ids(req)
-    assert [page_bytes(memory, p) for p in table[:2]] == payloads[:2]
+    assert_first_batch_only(sched, conn, memory, req, payloads)
     # nothing past the torn page was promoted (page 3 is valid, but the run ends before it)
     assert set(req.promoted_from) == set(req.page_hashes[:2])
-    assert conn.metrics()["offload"]["promoted_pages"] == 2
     assert conn.metrics()["tiers"]["host"]["corrupt"] == 1
 
 
@@ -215,22 +223,12 @@ class FailingSecondGet(HostTier):
 
 
 def test_a_fetch_failing_after_its_first_batch_keeps_that_batch_and_stops():
-    host = FailingSecondGet()
-    sched, conn, memory, _ = make([host])
-    conn.offloader.fetch_batch_pages = 2
-    req = make_req("r", range(10, 27))
-    payloads = [bytes([i + 1]) * LAYOUT.page_nbytes for i in range(4)]
-    conn.store.put(list(zip(req.page_hashes[:4], payloads)))
+    sched, conn, memory, req, payloads = four_pages_in(FailingSecondGet())
     sched.add(req)
     assert sched.schedule().scheduled == [] and req.status is RequestStatus.PROMOTING
-    steps = run_until_scheduled(sched, conn)
-    assert steps[-1] == [("r", 17 - 8)]  # pages 0-1 restored, the rest computed
-    assert req.num_cached_tokens == 8 and req.cached_by_tier == {"host": 8}
-    table = sched.kv.page_ids(req)
-    assert [page_bytes(memory, p) for p in table[:2]] == payloads[:2]
+    assert_first_batch_only(sched, conn, memory, req, payloads)
     assert req.num_promotions == 1  # not promoted again for the pages it wrote
     assert conn.metrics()["offload"]["promotion_errors"] == 1
-    assert conn.metrics()["offload"]["promoted_pages"] == 2
 
 
 def test_a_batch_published_by_a_replaced_fetch_is_dropped():
