@@ -153,29 +153,57 @@ class _Reader:
         raise RespError(f"unknown RESP type {head[:40]!r}")
 
 
-def read_mget_reply(
-    sock: socket.socket, n_keys: int, slabs: SlabPool, max_value_bytes: int = 512 << 20
-) -> list[memoryview | None]:
-    """Read one MGET reply of ``n_keys`` values from ``sock`` into slabs of ``slabs``.
+class MgetReplies:
+    """Reads MGET replies from ``sock`` one after another into slabs of ``slabs``: the
+    replies to pipelined MGETs (several sent before the first is read) share one read
+    buffer, so bytes of the next reply read along with this one's last line are kept, and
+    their values are packed into the same slabs. ``close`` gives the last slab back and
+    raises ``RespError`` if bytes beyond the last reply were read (the stream would be out
+    of step). Use it as a context manager."""
 
-    A value claiming more than ``max_value_bytes`` raises ``RespError`` before any memory
-    is taken for it (a confused or hostile server cannot make the reader allocate what it
-    claims)."""
-    r = _Reader(sock)
-    head = r.line()
-    while head[:1] == b">":  # a RESP3 push before the reply: not ours, read past it
-        r.skip(head, max_value_bytes)
+    def __init__(self, sock: socket.socket, slabs: SlabPool, max_value_bytes: int) -> None:
+        self._r = _Reader(sock)
+        self._slabs = slabs
+        self._max = max_value_bytes
+        self._slab: bytearray | None = None
+        self._view: memoryview | None = None
+        self._used = 0
+
+    def __enter__(self) -> MgetReplies:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(check=exc_type is None)
+
+    def _give_back(self) -> None:
+        if self._slab is not None:
+            slab, self._slab = self._slab, None  # cleared first: never given back twice
+            self._view.release()
+            self._view = None
+            self._slabs.give(slab)
+
+    def close(self, check: bool = True) -> None:
+        self._give_back()
+        r = self._r
+        if check and r.lo != r.hi:
+            raise RespError(f"{r.hi - r.lo} unexpected bytes after the MGET reply")
+
+    def read(self, n_keys: int) -> list[memoryview | None]:
+        """The next reply, which must be an array of ``n_keys`` bulk strings or nulls. A
+        value claiming more than ``max_value_bytes`` raises ``RespError`` before any memory
+        is taken for it (a confused or hostile server cannot make the reader allocate what
+        it claims)."""
+        r = self._r
         head = r.line()
-    if head[:1] == b"-":
-        msg = head[1:200].decode(errors="replace")
-        raise RespError(f"the server answered MGET with an error: {msg}")
-    if head[:1] != b"*" or head[1:] != str(n_keys).encode():
-        raise RespError(f"expected an array of {n_keys} values, got {head[:40]!r}")
-    out: list[memoryview | None] = []
-    slab: bytearray | None = None
-    view: memoryview | None = None
-    used = 0
-    try:
+        while head[:1] == b">":  # a RESP3 push before the reply: not ours, read past it
+            r.skip(head, self._max)
+            head = r.line()
+        if head[:1] == b"-":
+            msg = head[1:200].decode(errors="replace")
+            raise RespError(f"the server answered MGET with an error: {msg}")
+        if head[:1] != b"*" or head[1:] != str(n_keys).encode():
+            raise RespError(f"expected an array of {n_keys} values, got {head[:40]!r}")
+        out: list[memoryview | None] = []
         for _ in range(n_keys):
             h = r.line()
             if h == b"_" or h == b"$-1":
@@ -189,26 +217,24 @@ def read_mget_reply(
                 raise RespError(f"bad bulk string length {h[:40]!r}") from None
             if size < 0:
                 raise RespError(f"bad bulk string length {size}")
-            if size > max_value_bytes:
-                raise RespError(
-                    f"a value claims {size} bytes, more than the {max_value_bytes} allowed"
-                )
-            if view is None or used + size > len(view):
-                if slab is not None:
-                    view.release()
-                    slabs.give(slab)
-                    slab = view = None  # given back: the finally below must not give it again
-                slab = slabs.take(size)
-                view, used = memoryview(slab), 0
-            dest = view[used : used + size]
+            if size > self._max:
+                raise RespError(f"a value claims {size} bytes, more than the {self._max} allowed")
+            if self._view is None or self._used + size > len(self._view):
+                self._give_back()
+                slab = self._slabs.take(size)
+                self._slab, self._view, self._used = slab, memoryview(slab), 0
+            dest = self._view[self._used : self._used + size]
             r.into(dest)
             r.crlf()
             out.append(dest)
-            used += size
-    finally:
-        if slab is not None:
-            view.release()
-            slabs.give(slab)
-    if r.lo != r.hi:  # more than one reply was sent: the stream is not where it should be
-        raise RespError(f"{r.hi - r.lo} unexpected bytes after the MGET reply")
-    return out
+            self._used += size
+        return out
+
+
+def read_mget_reply(
+    sock: socket.socket, n_keys: int, slabs: SlabPool, max_value_bytes: int = 512 << 20
+) -> list[memoryview | None]:
+    """Read one MGET reply of ``n_keys`` values from ``sock`` into slabs of ``slabs``
+    (``MgetReplies`` for one reply)."""
+    with MgetReplies(sock, slabs, max_value_bytes) as replies:
+        return replies.read(n_keys)

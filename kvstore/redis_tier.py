@@ -35,7 +35,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import OutOfMemoryError
 from redis.retry import Retry
 
-from kvmesh.kvstore.redis_fast import SlabPool, read_mget_reply
+from kvmesh.kvstore.redis_fast import MgetReplies, SlabPool
 from kvmesh.kvstore.tier import Tier
 
 logger = logging.getLogger(__name__)
@@ -58,6 +58,8 @@ _SKIPPED = object()  # the call did not reach the server (backoff, or it failed)
 DEFAULT_NAMESPACE = "kvmesh"
 DEFAULT_TTL_S = 24 * 3600.0  # a page not written again for a day is dropped
 DEFAULT_MAX_PAGE_BYTES = 512 << 20  # Redis's own longest value (proto-max-bulk-len)
+DEFAULT_MGET_CHUNK_BYTES = 4 << 20  # per MGET of a long read (bench/README.md, issue 21)
+DEFAULT_MGET_DEPTH = 2  # MGETs in flight: the server builds the next reply while one is read
 _NAMESPACE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
 
@@ -114,6 +116,8 @@ class RedisTier(Tier):
         backoff_s: float = 0.1,
         max_backoff_s: float = 4.0,
         max_page_bytes: int = DEFAULT_MAX_PAGE_BYTES,
+        mget_chunk_bytes: int = DEFAULT_MGET_CHUNK_BYTES,
+        mget_depth: int = DEFAULT_MGET_DEPTH,
     ) -> None:
         if not model_fp or ":" in model_fp:
             raise ValueError(f"model_fp must be a non-empty string without ':', got {model_fp!r}")
@@ -158,6 +162,14 @@ class RedisTier(Tier):
         )
         self._client = redis.Redis(connection_pool=self._pool)
         self._slabs = SlabPool()  # reused receive buffers of the MGET path
+        if mget_chunk_bytes < 1 or mget_depth < 1:
+            raise ValueError(
+                f"need mget_chunk_bytes >= 1 and mget_depth >= 1, got {mget_chunk_bytes!r} "
+                f"and {mget_depth!r}"
+            )
+        self.mget_chunk_bytes = mget_chunk_bytes  # bytes asked per MGET of a long read
+        self.mget_depth = mget_depth  # MGETs in flight at once
+        self._value_bytes = 0  # the longest value of the last read: sizes the next chunks
         self._lock = threading.Lock()  # guards metrics and the health state
         self._down_since: float | None = None  # monotonic time of the incident's first fault
         self._retry_at = 0.0
@@ -284,17 +296,48 @@ class RedisTier(Tier):
         )
         return list(result)
 
+    def _chunks(self, keys: list[str]) -> list[list[str]]:
+        """``keys`` in MGETs of about ``mget_chunk_bytes`` each, sized by the longest value
+        this tier read last, or else by ``max_page_bytes`` (TieredStore sets it to the
+        longest object its pages make); one MGET while neither is known."""
+        hint = min(self.max_page_bytes, self._value_bytes or self.max_page_bytes)
+        if hint >= DEFAULT_MAX_PAGE_BYTES:  # no bound and nothing read yet: sizes unknown
+            return [keys]
+        per = max(1, self.mget_chunk_bytes // max(hint, 1))
+        return [keys[i : i + per] for i in range(0, len(keys), per)]
+
     def _mget(self, keys: list[str]) -> list:
         """MGET on a pooled connection, each value received straight into a reused slab
         (``redis_fast``; values are ``memoryview`` slices). Falls back to redis-py's MGET
-        where the connection has no plain socket to read."""
+        where the connection has no plain socket to read.
+
+        Many keys are asked in MGETs of about ``mget_chunk_bytes``, ``mget_depth`` of them
+        in flight: the server builds each reply in output buffers it frees once sent, so
+        small replies reuse the same few MiB of its memory where one large reply takes (and
+        page-faults) the whole run's worth; with the next MGET already queued it builds the
+        next reply while this one is read."""
+        chunks = self._chunks(keys)
         conn = _pooled_connection(self._pool, "MGET")
         try:
-            conn.send_command("MGET", *keys)
             sock = conn._get_socket() if hasattr(conn, "_get_socket") else None
-            if sock is None:  # not a socket connection: let redis-py read the reply
-                return list(conn.read_response())
-            return read_mget_reply(sock, len(keys), self._slabs, self.max_page_bytes)
+            if sock is None:  # not a socket connection: let redis-py read the replies
+                out: list = []
+                for chunk in chunks:
+                    conn.send_command("MGET", *chunk)
+                    out += conn.read_response()
+                return out
+            out = []
+            sent = 0
+            with MgetReplies(sock, self._slabs, self.max_page_bytes) as replies:
+                for i, chunk in enumerate(chunks):
+                    while sent < min(len(chunks), i + self.mget_depth):
+                        conn.send_command("MGET", *chunks[sent])
+                        sent += 1
+                    out += replies.read(len(chunk))
+            longest = max((len(v) for v in out if v is not None), default=0)
+            if longest:
+                self._value_bytes = longest
+            return out
         except BaseException:
             conn.disconnect()  # mid-reply: the connection's state is unknown
             raise

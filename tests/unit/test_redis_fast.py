@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from kvmesh.kvstore.redis_fast import RespError, SlabPool, read_mget_reply
+from kvmesh.kvstore.redis_fast import MgetReplies, RespError, SlabPool, read_mget_reply
 
 
 def reply_sock(data: bytes) -> socket.socket:
@@ -95,3 +95,29 @@ def test_a_slab_is_not_reused_while_a_view_derived_from_a_value_lives():
     del derived, other
     [again] = read_mget_reply(reply_sock(b"*1\r\n" + bulk(b"a" * 64)), 1, pool)
     assert again == b"a" * 64 and pool.reused == 1 and pool.created == 2
+
+
+def test_pipelined_replies_read_in_one_buffer_keep_the_next_replys_bytes():
+    # three replies sent at once: the first read takes the second's (and the third's)
+    # header bytes into the shared buffer; each read must start where the last ended
+    data = b"*2\r\n" + bulk(b"a" * 40) + b"$-1\r\n"
+    data += b"*3\r\n" + b"_\r\n" + bulk(b"c" * 10) + bulk(b"d" * 20)
+    data += b"*1\r\n" + bulk(b"b" * 3000)
+    pool = SlabPool(slab_bytes=1 << 10, keep_bytes=1 << 20)
+    with MgetReplies(reply_sock(data), pool, 1 << 20) as replies:
+        first = replies.read(2)
+        second = replies.read(3)
+        third = replies.read(1)
+    assert first == [b"a" * 40, None]
+    assert second == [None, b"c" * 10, b"d" * 20]
+    assert third == [b"b" * 3000]
+    # the values of the first two replies are packed into one slab; the long one took its own
+    assert first[0].obj is second[1].obj is second[2].obj
+    assert pool.created == 2
+
+
+def test_bytes_left_after_the_last_pipelined_reply_are_an_error():
+    data = b"*1\r\n" + bulk(b"a" * 8) + b"*1\r\n" + bulk(b"b" * 8)
+    with pytest.raises(RespError, match="unexpected bytes after"):
+        with MgetReplies(reply_sock(data), SlabPool(slab_bytes=1 << 10), 1 << 20) as replies:
+            assert replies.read(1) == [b"a" * 8]  # a second reply nobody asked for follows
