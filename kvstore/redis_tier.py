@@ -58,7 +58,7 @@ _SKIPPED = object()  # the call did not reach the server (backoff, or it failed)
 DEFAULT_NAMESPACE = "kvmesh"
 DEFAULT_TTL_S = 24 * 3600.0  # a page not written again for a day is dropped
 DEFAULT_MAX_PAGE_BYTES = 512 << 20  # Redis's own longest value (proto-max-bulk-len)
-DEFAULT_MGET_CHUNK_BYTES = 4 << 20  # per MGET of a long read (bench/README.md, issue 21)
+DEFAULT_MGET_CHUNK_BYTES = 2 << 20  # per MGET of a long read (bench/README.md, issue 21)
 DEFAULT_MGET_DEPTH = 2  # MGETs in flight: the server builds the next reply while one is read
 _NAMESPACE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
