@@ -48,6 +48,15 @@ def _unexported(slab: bytearray) -> bool:
     return True
 
 
+def _new_slab(nbytes: int) -> bytearray:
+    """A zeroed bytearray of ``nbytes`` with room for one more byte: ``_unexported`` grows it
+    by a byte and back, which in a bytearray allocated to size reallocates it (at 16 MiB
+    from the heap: a new block, copied into at page-fault speed, on the slab's first reuse)."""
+    slab = bytearray(nbytes + 1)
+    del slab[-1:]  # a bytearray keeps its allocation when it shrinks a little
+    return slab
+
+
 class SlabPool:
     """Large reusable receive buffers (bytearrays). Thread-safe."""
 
@@ -67,7 +76,7 @@ class SlabPool:
                     self.reused += 1
                     return self._slabs.pop(i)
             self.created += 1
-        return bytearray(max(nbytes, self.slab_bytes))
+        return _new_slab(max(nbytes, self.slab_bytes))
 
     def give(self, slab: bytearray) -> None:
         """Keep ``slab`` for reuse once the views handed out from it are gone."""

@@ -121,3 +121,15 @@ def test_bytes_left_after_the_last_pipelined_reply_are_an_error():
     with pytest.raises(RespError, match="unexpected bytes after"):
         with MgetReplies(reply_sock(data), SlabPool(slab_bytes=1 << 10), 1 << 20) as replies:
             assert replies.read(1) == [b"a" * 8]  # a second reply nobody asked for follows
+
+
+def test_checking_a_slab_for_live_views_does_not_reallocate_it():
+    # the check grows the slab by a byte and back: a slab allocated to size would be
+    # reallocated (a 16 MiB copy into fresh memory on its first reuse)
+    pool = SlabPool(slab_bytes=1 << 20)
+    slab = pool.take(10)
+    assert len(slab) == 1 << 20
+    alloc = slab.__alloc__()
+    pool.give(slab)
+    assert pool.take(10) is slab  # reused: the check ran
+    assert slab.__alloc__() == alloc
