@@ -319,15 +319,16 @@ class RedisTier(Tier):
         chunks = self._chunks(keys)
         conn = _pooled_connection(self._pool, "MGET")
         try:
+            conn.send_command("MGET", *chunks[0])  # connects a connection not yet connected
+            sent = 1
             sock = conn._get_socket() if hasattr(conn, "_get_socket") else None
             if sock is None:  # not a socket connection: let redis-py read the replies
-                out: list = []
-                for chunk in chunks:
+                out: list = list(conn.read_response())
+                for chunk in chunks[1:]:
                     conn.send_command("MGET", *chunk)
                     out += conn.read_response()
                 return out
             out = []
-            sent = 0
             with MgetReplies(sock, self._slabs, self.max_page_bytes) as replies:
                 for i, chunk in enumerate(chunks):
                     while sent < min(len(chunks), i + self.mget_depth):

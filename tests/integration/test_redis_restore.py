@@ -162,6 +162,22 @@ def test_a_long_read_is_asked_in_pipelined_mgets_and_comes_back_in_order(redis_s
     tier.close()
 
 
+def test_a_connection_without_a_plain_socket_is_read_by_redis_py_chunk_by_chunk(
+    redis_server, monkeypatch
+):
+    objs = [encode(SPEC, os.urandom(SPEC.page_nbytes)) for _ in range(7)]
+    tier = make_tier(redis_server.url)
+    TieredStore(SPEC, [tier])
+    tier.mget_chunk_bytes = 2 * tier.max_page_bytes  # 4 MGETs for 7 keys
+    tier.put([(h(i), o) for i, o in enumerate(objs)])
+    conn = _pooled_connection(tier._pool, "MGET")
+    tier._pool.release(conn)
+    monkeypatch.setattr(type(conn), "_get_socket", lambda self: None)
+    assert tier.get([h(i) for i in range(7)]) == objs
+    assert tier.metrics["errors"] == 0
+    tier.close()
+
+
 @pytest.mark.parametrize("protocol", [2, 3])
 def test_both_reply_protocols_read_values_and_misses(redis_server, protocol):
     tier = make_tier(f"{redis_server.url}?protocol={protocol}")
