@@ -1092,7 +1092,7 @@ int kvmesh_dequantize_int4_pages(const uint8_t *k, const uint8_t *ks, const uint
 }
 
 /* The ABI version kernels/cpu_native.py checks, bumped with any signature change. */
-int kvmesh_cpu_abi(void) { return 4; }
+int kvmesh_cpu_abi(void) { return 5; }
 
 /* The vector path this build has: 512 (AVX-512), 256 (AVX2), 0 (scalar). */
 int kvmesh_cpu_attention_vectorized(void) { return VEC_PATH; }
@@ -1155,10 +1155,11 @@ int kvmesh_decode_attention_quant_rot(int fmt, const float *q, const uint8_t *k,
 }
 
 /* ------------------------------------------------------------------------------------------
- * Causal prefill attention (flash style) over contiguous, token-major fp32 Q/K/V:
- *   q, out (n, Hq, D); k, v (ctx, Hkv, D); query t sits at position ctx - n + t and sees the
- *   keys at positions <= its own (the fresh prefill is ctx == n; a later chunk whose K/V are
- *   contiguous has ctx > n). Query head g reads KV head g / G (G = Hq / Hkv), as SDPA's
+ * Causal prefill attention (flash style) over token-major fp32 Q/K/V:
+ *   q, out (n, Hq, D); k, v (ctx, Hkv, D), q/k/v token rows at any stride (the fused qkv
+ *   projection's output is read where it lies); query t sits at position ctx - n + t and
+ *   sees the keys at positions <= its own (the fresh prefill is ctx == n; a later chunk
+ *   whose K/V are contiguous has ctx > n). Query head g reads KV head g / G (G = Hq / Hkv), as SDPA's
  *   enable_gqa does. Its torch twin is SDPA (is_causal / a bottom-right causal mask).
  *
  * A work item is (KV head, block of bq query tokens): its rows are the bq tokens x G query
@@ -1166,8 +1167,9 @@ int kvmesh_decode_attention_quant_rot(int fmt, const float *q, const uint8_t *k,
  * of bk keys: S = Q K^T by a register-blocked micro-kernel (PF_MR rows x PF_NV vectors of
  * keys, K packed transposed so a row's q[d] is broadcast against 16 (8) keys' d-th
  * component), an online softmax in base 2 (q is pre-scaled by scale * log2(e); exp2 by a
- * degree-7 polynomial, relative error ~1e-7, exactly 0 below 2^-126), then O += P V by a
- * second micro-kernel (PF_MR rows x PF_NVD vectors of O held in registers across the keys).
+ * degree-5 polynomial, relative error ~2.4e-7, exactly 0 below 2^-126; each row's sum kept
+ * per lane), then O += P V by a second micro-kernel (PF_MR rows x PF_NVD vectors of O held
+ * in registers across the keys).
  * Key blocks past a block's last query are never visited; inside the diagonal block a group
  * of rows only computes and sums the keys it can see. Items are handed out largest first
  * (schedule dynamic), which balances the triangle's uneven cost over the threads. The scalar
@@ -1175,9 +1177,9 @@ int kvmesh_decode_attention_quant_rot(int fmt, const float *q, const uint8_t *k,
  * ---------------------------------------------------------------------------------------- */
 #define PF_LOG2E 1.4426950408889634f
 
-static int pf_scalar(const float *q, const float *k, const float *v, float *out, int64_t n,
-                     int64_t ctx, int64_t Hq, int64_t Hkv, int64_t D, float scale,
-                     int num_threads) {
+static int pf_scalar(const float *q, int64_t ldq, const float *k, int64_t ldk, const float *v,
+                     int64_t ldv, float *out, int64_t n, int64_t ctx, int64_t Hq, int64_t Hkv,
+                     int64_t D, float scale, int num_threads) {
     const int64_t G = Hq / Hkv;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (n * ctx * Hq >= 65536)
@@ -1192,10 +1194,10 @@ static int pf_scalar(const float *q, const float *k, const float *v, float *out,
             if (!s) continue;
             const int64_t t = (n - 1) - i / Hq, g = i % Hq, h = g / G;
             const int64_t nk = ctx - n + t + 1; /* keys 0 .. pos */
-            const float *qr = q + (t * Hq + g) * D;
+            const float *qr = q + t * ldq + g * D;
             float m = -INFINITY;
             for (int64_t j = 0; j < nk; j++) {
-                const float *kr = k + (j * Hkv + h) * D;
+                const float *kr = k + j * ldk + h * D;
                 float dot = 0.0f;
                 for (int64_t d = 0; d < D; d++) dot += qr[d] * kr[d];
                 s[j] = dot * scale;
@@ -1209,7 +1211,7 @@ static int pf_scalar(const float *q, const float *k, const float *v, float *out,
             float *o = out + (t * Hq + g) * D;
             for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
             for (int64_t j = 0; j < nk; j++) {
-                const float *vr = v + (j * Hkv + h) * D, p = s[j];
+                const float *vr = v + j * ldv + h * D, p = s[j];
                 for (int64_t d = 0; d < D; d++) o[d] += p * vr[d];
             }
             const float inv = 1.0f / l;
@@ -1222,6 +1224,14 @@ static int pf_scalar(const float *q, const float *k, const float *v, float *out,
 
 #if VEC_PATH
 #define PF_MR 6 /* query rows per micro-tile, both kernels */
+/* 2^f on [-0.5, 0.5]: a degree-5 polynomial fitted to the relative error (~8e-8, ~2.4e-7
+ * with float rounding in Horner's scheme; a softmax weight needs no more) */
+#define PF_E0 1.0000000710925994f
+#define PF_E1 0.6931469679132952f
+#define PF_E2 0.24022122257247966f
+#define PF_E3 0.05550713273564509f
+#define PF_E4 0.00967541348947018f
+#define PF_E5 0.001327609911516945f
 #if VEC_PATH == 512
 #define PF_NV 4  /* QK^T: 4 x 16 keys per micro-tile (24 accumulators) */
 #define PF_NVD 4 /* PV: 4 x 16 dims of O per micro-tile (24 accumulators) */
@@ -1236,19 +1246,21 @@ static inline float pf_hmax(VF x) { return _mm512_reduce_max_ps(x); }
 static inline VF pf_exp2(VF x) { /* 2^x for x <= 0; 0 below -126 (and for -inf) */
     const __mmask16 ok = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_GE_OQ);
     const VF xc = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+#if defined(__AVX512DQ__)
+    /* f = xc - nearest(xc) in one instruction (exact), nf = the integer part (exact) */
+    const VF f = _mm512_reduce_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const VF nf = _mm512_sub_ps(xc, f);
+#else
     const VF nf = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const VF f = _mm512_sub_ps(xc, nf);
-    VF p = _mm512_set1_ps(1.525273380405984e-05f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381606e-04f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-03f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-02f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265069591007e-01f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-01f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    const __m512i e = _mm512_slli_epi32(
-        _mm512_add_epi32(_mm512_cvtps_epi32(nf), _mm512_set1_epi32(127)), 23);
-    return _mm512_maskz_mov_ps(ok, _mm512_mul_ps(p, _mm512_castsi512_ps(e)));
+#endif
+    VF p = _mm512_set1_ps(PF_E5);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(PF_E4));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(PF_E3));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(PF_E2));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(PF_E1));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(PF_E0));
+    return _mm512_maskz_scalef_ps(ok, p, nf); /* p * 2^nf, exact; 0 where x < -126 */
 }
 #else
 #define PF_NV 2  /* QK^T: 2 x 8 keys (12 accumulators of 16 registers) */
@@ -1272,14 +1284,12 @@ static inline VF pf_exp2(VF x) {
     const VF xc = _mm256_max_ps(x, _mm256_set1_ps(-126.0f));
     const VF nf = _mm256_round_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const VF f = _mm256_sub_ps(xc, nf);
-    VF p = _mm256_set1_ps(1.525273380405984e-05f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530393381606e-04f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-03f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618129107628477e-03f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550410866482158e-02f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402265069591007e-01f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931471805599453e-01f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    VF p = _mm256_set1_ps(PF_E5);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(PF_E4));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(PF_E3));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(PF_E2));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(PF_E1));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(PF_E0));
     const __m256i e = _mm256_slli_epi32(
         _mm256_add_epi32(_mm256_cvtps_epi32(nf), _mm256_set1_epi32(127)), 23);
     return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), ok);
@@ -1348,23 +1358,24 @@ static inline int pf_vec_ok(int64_t D, int64_t bk) {
 }
 
 /* One work item: KV head h, query tokens [t0, t1). ktr: the head's keys transposed, (D,
- * ldk), zero past ctx. Scratch: qp, o (R x D), s (R x bk), m, l, alpha (R), R = (t1 - t0)
- * x G. */
-static void pf_block(const float *q, const float *ktr, int64_t ldk, const float *v, float *out,
-                     int64_t n, int64_t ctx, int64_t Hq, int64_t Hkv, int64_t D, float qscale,
-                     int64_t h, int64_t t0, int64_t t1, int64_t bk, float *work) {
+ * ldk), zero past ctx. q, v: rows of ldq, ldv floats (token t's query head g at q + t * ldq
+ * + g * D). Scratch: qp, o (R x D), s (R x bk), lv (R x VW: each row's softmax sum, kept
+ * per lane and summed once at the end), m, alpha (R), R = (t1 - t0) x G. */
+static void pf_block(const float *q, int64_t ldq, const float *ktr, int64_t ldk, const float *v,
+                     int64_t ldv, float *out, int64_t n, int64_t ctx, int64_t Hq, int64_t Hkv,
+                     int64_t D, float qscale, int64_t h, int64_t t0, int64_t t1, int64_t bk,
+                     float *work) {
     const int64_t G = Hq / Hkv, R = (t1 - t0) * G, off = ctx - n;
-    float *qp = work, *o = qp + R * D, *s = o + R * D;
-    float *m = s + R * bk, *l = m + R, *alpha = l + R;
+    float *qp = work, *o = qp + R * D, *s = o + R * D, *lv = s + R * bk;
+    float *m = lv + R * VW, *alpha = m + R;
     for (int64_t r = 0; r < R; r++) {
-        const float *src = q + ((t0 + r / G) * Hq + h * G + r % G) * D;
+        const float *src = q + (t0 + r / G) * ldq + (h * G + r % G) * D;
         for (int64_t d = 0; d < D; d++) qp[r * D + d] = src[d] * qscale;
         m[r] = -INFINITY;
-        l[r] = 0.0f;
     }
     memset(o, 0, sizeof(float) * R * D);
+    memset(lv, 0, sizeof(float) * R * VW);
     const int64_t last = off + t1 - 1; /* the block's last query position */
-    const int64_t vstride = Hkv * D;
     for (int64_t j0 = 0; j0 <= last; j0 += bk) {
         const int64_t nkb = (ctx - j0 < bk ? ctx - j0 : bk); /* keys in this block */
         const int64_t full = j0 + nkb - 1 <= off + t0;      /* no row masks a key of it */
@@ -1379,8 +1390,9 @@ static void pf_block(const float *q, const float *ktr, int64_t ldk, const float 
 #define PF_QK(MR) pf_qk(qp + r0 * D, D, kt, ldk, bk, s + r0 * bk, ncol, MR)
             PF_DISPATCH(mr, PF_QK)
 #undef PF_QK
-            /* online softmax per row over its visible keys [0, lim_r); p = 0 beyond, up to
-             * the group's lim (what PV reads) */
+            /* online softmax per row over its visible keys [0, lr); p = 0 beyond, up to
+             * the group's ncol (what PV reads). A row that sees every column of the tile
+             * (the blocks below the diagonal) takes no lane masks. */
             for (int i = 0; i < mr; i++) {
                 const int64_t r = r0 + i;
                 int64_t lr = full ? nkb : off + t0 + r / G - j0 + 1;
@@ -1393,54 +1405,64 @@ static void pf_block(const float *q, const float *ktr, int64_t ldk, const float 
                 }
                 const VF ninf = VSET1(-INFINITY);
                 VF mx = ninf;
-                for (int64_t jj = 0; jj < lr; jj += VW)
-                    mx = VMAXV(mx, pf_keep_lt(VLOAD(sr + jj), lr - jj, ninf));
+                if (lr == ncol) {
+                    for (int64_t jj = 0; jj < ncol; jj += VW) mx = VMAXV(mx, VLOAD(sr + jj));
+                } else {
+                    for (int64_t jj = 0; jj < lr; jj += VW)
+                        mx = VMAXV(mx, pf_keep_lt(VLOAD(sr + jj), lr - jj, ninf));
+                }
                 const float mb = pf_hmax(mx), mo = m[r], mn = mb > mo ? mb : mo;
                 alpha[i] = exp2f(mo - mn); /* 0 when mo = -inf */
                 const VF mv = VSET1(mn);
-                VF sum = VZERO();
+                VF sum = VMUL(VLOAD(lv + r * VW), VSET1(alpha[i]));
                 for (int64_t jj = 0; jj < ncol; jj += VW) {
-                    const VF p = pf_keep_lt(pf_exp2(VSUB(VLOAD(sr + jj), mv)), lr - jj, VZERO());
+                    VF p = pf_exp2(VSUB(VLOAD(sr + jj), mv));
+                    if (jj + VW > lr) p = pf_keep_lt(p, lr - jj, VZERO());
                     VSTORE(sr + jj, p);
                     sum = VADD(sum, p);
                 }
+                VSTORE(lv + r * VW, sum);
                 m[r] = mn;
-                l[r] = l[r] * alpha[i] + VSUM(sum);
             }
 #define PF_PV(MR)                                                                              \
-    pf_pv(s + r0 * bk, bk, v + j0 * vstride + h * D, vstride, lim, o + r0 * D, D, alpha, MR)
+    pf_pv(s + r0 * bk, bk, v + j0 * ldv + h * D, ldv, lim, o + r0 * D, D, alpha, MR)
             PF_DISPATCH(mr, PF_PV)
 #undef PF_PV
         }
     }
     for (int64_t r = 0; r < R; r++) {
         float *dst = out + ((t0 + r / G) * Hq + h * G + r % G) * D;
-        const float inv = 1.0f / l[r];
+        const float inv = 1.0f / VSUM(VLOAD(lv + r * VW));
         for (int64_t d = 0; d < D; d++) dst[d] = o[r * D + d] * inv;
     }
 }
 #endif /* VEC_PATH */
 
-/* Returns 0, 1 (scratch allocation failed) or 2 (bad shape: Hq % Hkv, n > ctx, n < 0). bq,
- * bk: query tokens and keys per block (<= 0: the defaults, 64 tokens (fewer for G > 3) and
- * 64 keys; a bk that is not a multiple of the QK micro-tile's 64 (AVX-512) or 16 (AVX2)
- * keys runs the scalar loop). force_scalar: the plain loop even on a vector build (tests,
- * benchmarks). */
-int kvmesh_prefill_attention_f32(const float *q, const float *k, const float *v, float *out,
-                                 int64_t n, int64_t ctx, int64_t Hq, int64_t Hkv, int64_t D,
-                                 float scale, int64_t bq, int64_t bk, int force_scalar,
-                                 int num_threads) {
+/* Returns 0, 1 (scratch allocation failed) or 2 (bad shape: Hq % Hkv, n > ctx, n < 0, a row
+ * stride shorter than a row). q, k, v: token rows ldq, ldk, ldv floats apart, each row's
+ * heads dense (the fused qkv projection's output is read in place: ldq = ldk = ldv = its
+ * width); out (n, Hq, D) contiguous. bq, bk: query tokens and keys per block (<= 0: the
+ * defaults, 64 tokens (fewer for G > 3) and 256 keys; a bk that is not a multiple of the QK
+ * micro-tile's 64 (AVX-512) or 16 (AVX2) keys runs the scalar loop). force_scalar: the
+ * plain loop even on a vector build (tests, benchmarks). */
+int kvmesh_prefill_attention_f32(const float *q, int64_t ldq, const float *k, int64_t ldk_in,
+                                 const float *v, int64_t ldv, float *out, int64_t n,
+                                 int64_t ctx, int64_t Hq, int64_t Hkv, int64_t D, float scale,
+                                 int64_t bq, int64_t bk, int force_scalar, int num_threads) {
     if (n < 0 || ctx < n || Hkv < 1 || Hq % Hkv || D < 1) return 2;
+    if (ldq < Hq * D || ldk_in < Hkv * D || ldv < Hkv * D) return 2;
     if (n == 0) return 0;
     /* 64 tokens (192 rows at G = 3); fewer for large groups, so a block's q, O and S stay
      * within ~half of a 1 MiB L2 (G = 8, D = 128: 24 tokens, 192 rows, ~250 KB) */
     if (bq <= 0) bq = Hq / Hkv <= 3 ? 64 : (192 / (Hq / Hkv) > 16 ? 192 / (Hq / Hkv) : 16);
-    bk = bk > 0 ? bk : 64;
+    /* 256 keys: the per-row cost of a block (max, rescale) spread over more keys; 1.08x
+     * faster than 64 at 2,048 tokens on Zen 4 (bench/README.md) */
+    bk = bk > 0 ? bk : 256;
 #if VEC_PATH
     if (!force_scalar && pf_vec_ok(D, bk)) {
         const int64_t G = Hq / Hkv, nqb = (n + bq - 1) / bq, items = Hkv * nqb;
         const int64_t R = bq * G;
-        const int64_t floats = 2 * R * D + R * bk + 3 * R + 16;
+        const int64_t floats = 2 * R * D + R * bk + R * VW + 2 * R + 16;
         const float qscale = scale * PF_LOG2E;
         /* K transposed once per KV head, (Hkv, D, ldk), zero past ctx (a key block reads up
          * to bk); +16 floats so rows d, d + 1 do not alias one L1 set at power-of-two ctx */
@@ -1454,7 +1476,7 @@ int kvmesh_prefill_attention_f32(const float *q, const float *k, const float *v,
             for (int64_t hd = 0; hd < Hkv * D; hd++) {
                 const int64_t h = hd / D, d = hd % D;
                 float *row = ktr + hd * ldk;
-                for (int64_t j = 0; j < ctx; j++) row[j] = k[(j * Hkv + h) * D + d];
+                for (int64_t j = 0; j < ctx; j++) row[j] = k[j * ldk_in + h * D + d];
                 for (int64_t j = ctx; j < ldk; j++) row[j] = 0.0f;
             }
             float *work = (float *)aligned_alloc(64, (sizeof(float) * floats + 63) / 64 * 64);
@@ -1468,8 +1490,8 @@ int kvmesh_prefill_attention_f32(const float *q, const float *k, const float *v,
                 if (!work) continue;
                 const int64_t qb = nqb - 1 - i / Hkv, h = i % Hkv;
                 const int64_t t0 = qb * bq, t1 = t0 + bq < n ? t0 + bq : n;
-                pf_block(q, ktr + h * D * ldk, ldk, v, out, n, ctx, Hq, Hkv, D, qscale, h, t0,
-                         t1, bk, work);
+                pf_block(q, ldq, ktr + h * D * ldk, ldk, v, ldv, out, n, ctx, Hq, Hkv, D, qscale,
+                         h, t0, t1, bk, work);
             }
             free(work);
         }
@@ -1479,7 +1501,7 @@ int kvmesh_prefill_attention_f32(const float *q, const float *k, const float *v,
 #endif
     (void)bq;
     (void)force_scalar;
-    return pf_scalar(q, k, v, out, n, ctx, Hq, Hkv, D, scale, num_threads);
+    return pf_scalar(q, ldq, k, ldk_in, v, ldv, out, n, ctx, Hq, Hkv, D, scale, num_threads);
 }
 
 /* ------------------------------------------------------------------------------------------

@@ -243,10 +243,22 @@ def dequantize_int4_pages_cpu(
         raise ValueError(f"int4 pages need an even head_size divisible by its group, got {D}")
 
 
+def _token_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """t (T, H, D) as the prefill kernel reads it, with its token row stride: each token's
+    H x D values dense, tokens at least H x D apart. A slice of a wider row (q, k or v of the
+    fused qkv output) passes as it is; anything else is copied. (A size-1 dimension's
+    stride is never read.)"""
+    T, H, D = t.shape
+    dense = (D <= 1 or t.stride(2) == 1) and (H <= 1 or t.stride(1) == D)
+    if not dense or (T > 1 and t.stride(0) < H * D):
+        t = t.contiguous()
+    return t, (t.stride(0) if T > 1 else H * D)
+
+
 def _prefill_out(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     """Where a prefill kernel writes: ``out`` itself when it is contiguous, else a buffer
     copied into it after (``_prefill_done``)."""
-    o = out if out is not None and out.is_contiguous() else torch.empty_like(q)
+    o = out if out is not None and out.is_contiguous() else torch.empty(q.shape)
     if o.shape != q.shape or o.dtype != torch.float32:
         raise ValueError(f"out must be float32 {tuple(q.shape)}, got {o.dtype} {tuple(o.shape)}")
     return o
@@ -283,7 +295,9 @@ def prefill_attention_cpu(
     mask when ctx > n). Equal to it within float rounding (tests: 2e-5 absolute for unit
     normal inputs), not bit for bit: the blocks sum in another order and exp is a polynomial.
     ``block_q``/``block_k``: query tokens and keys per block (0: the kernel's defaults);
-    ``force_scalar``: the plain loop even on a vector build."""
+    ``force_scalar``: the plain loop even on a vector build. q, k and v are read in place
+    when each token's heads are dense (strides (any, D, 1)), e.g. column slices of the fused
+    qkv projection's output; other layouts are copied first."""
     if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
         raise ValueError(
             f"q must be (n, Hq, D) and k, v (ctx, Hkv, D), got {tuple(q.shape)}, "
@@ -298,12 +312,12 @@ def prefill_attention_cpu(
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dtype != torch.float32 or t.device.type != "cpu":
             raise ValueError(f"{name} must be a CPU float32 tensor, got {t.dtype} on {t.device}")
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    (q, ldq), (k, ldk), (v, ldv) = _token_rows(q), _token_rows(k), _token_rows(v)
     o = _prefill_out(q, out)
     fn = (library or default_library()).fn("kvmesh_prefill_attention_f32")
     rc = fn(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), n, ctx, Hq, Hkv, D,
-        float(scale), block_q, block_k, int(force_scalar), torch.get_num_threads(),
+        q.data_ptr(), ldq, k.data_ptr(), ldk, v.data_ptr(), ldv, o.data_ptr(), n, ctx, Hq,
+        Hkv, D, float(scale), block_q, block_k, int(force_scalar), torch.get_num_threads(),
     )  # fmt: skip
     return _prefill_done(
         rc, o, out, f"the CPU prefill kernel rejected the shapes (block_k {block_k})"

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 SOURCES = tuple(
     Path(__file__).with_name(n) for n in ("cpu_attention.c", "cpu_ops.c", "cpu_quant.c")
 )
-ABI = 4
+ABI = 5
 NATIVE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off")
 PORTABLE_FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off")  # scalar paths
 # the AVX2 (+FMA, F16C) path on an AVX-512 machine, for tests: native with AVX-512 turned off
@@ -75,8 +75,9 @@ SIGNATURES = {
     "kvmesh_add_rmsnorm_f32": [_P, _P, _P, _P, _I, _I, _F, _N],
     "kvmesh_rotary_f32": [_P, _P, _P, _I, _I, _I, _I, _N],
     "kvmesh_silu_mul_f32": [_P, _P, _I, _I, _N],
-    # (q, k, v, out, n, ctx, Hq, Hkv, D, scale, bq, bk, force_scalar, threads)
-    "kvmesh_prefill_attention_f32": [_P] * 4 + [_I] * 5 + [_F, _I, _I, _N, _N],
+    # (q, q row stride, k, k row stride, v, v row stride, out, n, ctx, Hq, Hkv, D, scale, bq,
+    #  bk, force_scalar, threads)
+    "kvmesh_prefill_attention_f32": [_P, _I, _P, _I, _P, _I, _P] + [_I] * 5 + [_F, _I, _I, _N, _N],
     # (q, k A, v A, keys in A, k B, v B, keys in B, ranges (n, 4), out, n, Hq, Hkv, D, scale,
     #  bq, bk, force_scalar, threads)
     "kvmesh_prefill_attention_runs_f32": [_P, _P, _P, _I, _P, _P, _I, _P, _P, _I, _I, _I, _I]

@@ -9,7 +9,7 @@ backend asks a ``PrefillTuner`` per (Hq, Hkv, D, token bucket). At engine start
 (``TorchAttentionBackend.warm_up_prefill``: every bucket up to the step budget; else at the
 first fresh prefill of a bucket) a bucket (the next power of two of the length, at least
 16; buckets above ``MAX_TOKENS`` share its measurement) times both on random inputs of the
-bucket's size, interleaved in rounds (``autotune``'s timer: median, 7 rounds or 3 once
+bucket's size, interleaved in rounds (``autotune``'s timer: best round, 7 rounds or 3 once
 they took 0.25 s); the C kernel is taken when it is at least ``MARGIN`` faster (a choice
 from timing noise would differ host to host for no gain). The choice is logged on one line
 and cached in memory and in
@@ -212,7 +212,7 @@ class PrefillTuner:
         key["us"] = {n: round(x * 1e6, 1) for n, x in t.items()}
         kind = " (own page)" if key.get("kind") == "own_page" else ""
         log.info(
-            "prefill attention%s Hq=%d Hkv=%d D=%d tokens<=%d: %s (median us: sdpa %g, c %g)",
+            "prefill attention%s Hq=%d Hkv=%d D=%d tokens<=%d: %s (best us: sdpa %g, c %g)",
             kind, Hq, Hkv, D, tokens, choice, key["us"]["sdpa"], key["us"]["c"],
         )  # fmt: skip
         return choice

@@ -84,6 +84,29 @@ def test_peaked_scores_and_scalar_loop(libraries, build):
         torch.testing.assert_close(got, want, rtol=0, atol=bound)
 
 
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("n,ctx", [(150, 150), (100, 165), (1, 7)])
+def test_reads_slices_of_fused_rows(libraries, build, n, ctx):
+    """q, k and v as column slices of wider token rows (the fused qkv projection's output,
+    which the kernel reads in place): bit for bit the result of contiguous copies, and SDPA's
+    within the bound; a later chunk (ctx > n) and a single query too."""
+    Hq, Hkv, D = 9, 3, 64
+    g = torch.Generator().manual_seed(4)
+    qrows = torch.randn(n, (Hq + 2 * Hkv) * D + 8, generator=g)  # (n, W): a wider row
+    kvrows = torch.randn(ctx, 2 * Hkv * D + 24, generator=g)
+    q = qrows[:, 8 : 8 + Hq * D].view(n, Hq, D)
+    k = kvrows[:, : Hkv * D].view(ctx, Hkv, D)
+    v = kvrows[:, Hkv * D : 2 * Hkv * D].view(ctx, Hkv, D)
+    assert not (k.is_contiguous() or v.is_contiguous()) and (n == 1 or not q.is_contiguous())
+    lib = libraries[build]
+    got = prefill_attention_cpu(q, k, v, 0.125, library=lib)
+    dense = prefill_attention_cpu(
+        q.contiguous(), k.contiguous(), v.contiguous(), 0.125, library=lib
+    )
+    assert torch.equal(got, dense)
+    torch.testing.assert_close(got, sdpa_twin(q, k, v, 0.125), rtol=0, atol=ATOL)
+
+
 def test_out_and_threads(libraries):
     """Writes into ``out``; one thread and two give the same result within rounding."""
     q, k, v = _qkv(300, 300, 9, 3, 64, seed=3)
