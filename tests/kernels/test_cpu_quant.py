@@ -199,21 +199,23 @@ def test_writer_rotating_v_equals_rotating_before_it(lib):
         cpu_quant.write_kv_cache_cpu(**kws[1], library=lib, v_rotation=48)
 
 
-def test_one_layer_writer_over_many_steps_is_the_one_call(lib):
+def test_one_layer_writer_over_many_steps_is_the_torch_writer(lib):
     """The backend's path: a ``LayerWriter`` made once for a layer and one ``WriteIndices``
-    per step leave the pool and ring as ``write_kv_cache_cpu`` called afresh each step;
-    indices for another number of tokens are refused before anything is written."""
-    sims = [KVSim("int4", H=3, D=64, seed=6, num_reqs=3) for _ in range(2)]
+    per step (V rotated in the call) leave the pool and ring as the torch writer given the
+    V rows rotated by the torch rotation; indices for another number of tokens are refused
+    before anything is written."""
+    from kvmesh.kernels.quant import hadamard_transform
+
+    sims = [KVSim("int8", H=3, D=64, seed=6, num_reqs=3) for _ in range(2)]
     writer = None
     for new in ([5, 16, 40], [11, 1, 0], [1, 1, 1], [20, 3, 8]):
         kws = [s.step(new) for s in sims]
-        for kw in kws:
-            kw.pop("slot_mapping")
-        cpu_quant.write_kv_cache_cpu(**kws[0], library=lib, v_rotation=64)
+        write_kv_cache_torch(**dict(kws[0], v=hadamard_transform(kws[0]["v"], 64)))
         kw = kws[1]
+        kw.pop("slot_mapping")
         if writer is None:
             writer = cpu_quant.LayerWriter(
-                fmt="int4", cache=kw["cache"], residual_k=kw["residual_k"],
+                fmt="int8", cache=kw["cache"], residual_k=kw["residual_k"],
                 residual_v=kw["residual_v"], library=lib,
             )  # fmt: skip
         idx = cpu_quant.WriteIndices(
