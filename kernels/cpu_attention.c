@@ -933,6 +933,9 @@ static inline int64_t res_slot(const int64_t *slots, int64_t W, int64_t base, in
     return (pg >= 0 && i >= 0 && i < W && slots[i] >= 0) ? slots[i] : -1;
 }
 
+#ifndef QPF
+#define QPF 3
+#endif
 static void seq_quant(int fmt, const float *qb, const qpages *P, const float *res_k,
                       const float *res_v, const int64_t *slots, int64_t W, const int64_t *table,
                       int64_t lo, int64_t L, int64_t first, int64_t last, float *ob, float *part,
@@ -951,14 +954,17 @@ static void seq_quant(int fmt, const float *qb, const qpages *P, const float *re
     int split = fast; /* acc starts at zero: in either order */
     if (fast) split_rows(qb, qsp, Hq, D);
 #endif
+    /* pool pages are prefetched QPF pages ahead (the first ones before the loop) */
+    for (int64_t pg = first; pg < first + QPF - 1 && pg <= last; pg++)
+        if (res_slot(slots, W, base, pg) < 0) prefetch_page(fmt, P, table[pg], bs, Hkv, D);
     for (int64_t pg = first; pg <= last; pg++) {
         const int64_t t0 = pg * bs > lo ? pg * bs : lo;
         const int64_t t1 = (pg + 1) * bs < L ? (pg + 1) * bs : L;
         const int64_t nt = t1 - t0, j0 = t0 - pg * bs;
         const int64_t slot = res_slot(slots, W, base, pg);
         const float *kp, *vp;
-        if (pg < last && res_slot(slots, W, base, pg + 1) < 0)
-            prefetch_page(fmt, P, table[pg + 1], bs, Hkv, D);
+        if (pg + QPF - 1 <= last && res_slot(slots, W, base, pg + QPF - 1) < 0)
+            prefetch_page(fmt, P, table[pg + QPF - 1], bs, Hkv, D);
 #if VEC_PATH
         if (fast && slot < 0) {
             if (!split) resplit_rows(acc, Hq, D, fscr);
@@ -995,18 +1001,18 @@ static void seq_quant(int fmt, const float *qb, const qpages *P, const float *re
     end_part(acc, m, l, ob, part, Hq, D);
 }
 
-/* fmt: QFMT_*. kz, vz: NULL for fp8/int8. res_k/res_v: (R, bs, Hkv, D) fp32. res_slots
- * (B, res_pages) int64 row-major: entry [b, i] is the residual slot holding page
- * (L_b - 1) / bs - res_pages + 1 + i of sequence b (read wholly from there, positions >= L_b
- * masked), -1 where that page is read from the pool. page_stride in bytes. */
-int kvmesh_decode_attention_quant(int fmt, const float *q, const uint8_t *k, const uint8_t *ks,
-                                  const uint8_t *kz, const uint8_t *v, const uint8_t *vs,
-                                  const uint8_t *vz, const float *res_k, const float *res_v,
-                                  const int64_t *block_tables, const int64_t *context_lens,
-                                  const int64_t *res_slots, float *out, int64_t B, int64_t P,
-                                  int64_t res_pages, int64_t Hq, int64_t Hkv, int64_t D,
-                                  int64_t bs, int64_t page_stride, float scale, int64_t window,
-                                  int num_threads) {
+static void hadamard_rows(float *x, int64_t n, int64_t D, int64_t block, float scale);
+
+/* kvmesh_decode_attention_quant (below); rot_block > 0: each sequence's output rows then
+ * rotated as hadamard_rows rotates them, by the thread that computed them (after the merge
+ * where a sequence was split into parts), not on one thread after the loop. */
+static int decode_quant(int fmt, const float *q, const uint8_t *k, const uint8_t *ks,
+                        const uint8_t *kz, const uint8_t *v, const uint8_t *vs, const uint8_t *vz,
+                        const float *res_k, const float *res_v, const int64_t *block_tables,
+                        const int64_t *context_lens, const int64_t *res_slots, float *out,
+                        int64_t B, int64_t P, int64_t res_pages, int64_t Hq, int64_t Hkv,
+                        int64_t D, int64_t bs, int64_t page_stride, float scale, int64_t window,
+                        int num_threads, int64_t rot_block, float rot_scale) {
     if (res_pages < 1) return 3;
     if (fmt != QFMT_FP8 && fmt != QFMT_INT8 && fmt != QFMT_INT4) return 2;
     if (fmt == QFMT_INT4 && (D % 2 || D % (D < 32 ? D : 32))) return 2;
@@ -1034,19 +1040,42 @@ int kvmesh_decode_attention_quant(int fmt, const float *q, const uint8_t *k, con
             if (work == NULL) continue;
             if (L <= lo) {
                 memset(ob, 0, sizeof(float) * Hq * D);
-                continue;
+            } else {
+                int64_t pa, pb;
+                part_range(lo / bs, (L - 1) / bs, it % S, S, &pa, &pb);
+                seq_quant(fmt, q + b * Hq * D, &pages, res_k, res_v, res_slots + b * res_pages,
+                          res_pages, block_tables + b * P, lo, L, pa, pb, ob,
+                          S > 1 ? parts + it * PART_FLOATS(Hq, D) : NULL, Hq, Hkv, D, bs,
+                          scale, work);
             }
-            int64_t pa, pb;
-            part_range(lo / bs, (L - 1) / bs, it % S, S, &pa, &pb);
-            seq_quant(fmt, q + b * Hq * D, &pages, res_k, res_v, res_slots + b * res_pages,
-                      res_pages, block_tables + b * P, lo, L, pa, pb, ob,
-                      S > 1 ? parts + it * PART_FLOATS(Hq, D) : NULL, Hq, Hkv, D, bs, scale,
-                      work);
+            if (rot_block && S == 1) hadamard_rows(ob, Hq, D, rot_block, rot_scale);
         }
         free(work);
     }
     merge_all(parts, S, context_lens, window, out, B, Hq, D, failed);
+    if (rot_block && S > 1 && !failed) {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+        for (int64_t b = 0; b < B; b++)
+            hadamard_rows(out + b * Hq * D, Hq, D, rot_block, rot_scale);
+    }
     return failed;
+}
+
+/* fmt: QFMT_*. kz, vz: NULL for fp8/int8. res_k/res_v: (R, bs, Hkv, D) fp32. res_slots
+ * (B, res_pages) int64 row-major: entry [b, i] is the residual slot holding page
+ * (L_b - 1) / bs - res_pages + 1 + i of sequence b (read wholly from there, positions >= L_b
+ * masked), -1 where that page is read from the pool. page_stride in bytes. */
+int kvmesh_decode_attention_quant(int fmt, const float *q, const uint8_t *k, const uint8_t *ks,
+                                  const uint8_t *kz, const uint8_t *v, const uint8_t *vs,
+                                  const uint8_t *vz, const float *res_k, const float *res_v,
+                                  const int64_t *block_tables, const int64_t *context_lens,
+                                  const int64_t *res_slots, float *out, int64_t B, int64_t P,
+                                  int64_t res_pages, int64_t Hq, int64_t Hkv, int64_t D,
+                                  int64_t bs, int64_t page_stride, float scale, int64_t window,
+                                  int num_threads) {
+    return decode_quant(fmt, q, k, ks, kz, v, vs, vz, res_k, res_v, block_tables, context_lens,
+                        res_slots, out, B, P, res_pages, Hq, Hkv, D, bs, page_stride, scale,
+                        window, num_threads, 0, 0.0f);
 }
 
 /* int4 pages dequantized to float, kernels.quant.dequantize_pages' twin bit for bit (a code
@@ -1103,7 +1132,82 @@ int kvmesh_cpu_attention_vectorized(void) { return VEC_PATH; }
  * times `scale` (1 / sqrt(block)), with kernels.quant.hadamard_transform's butterflies in its
  * order (stage h pairs dims i and i + h, h = 1, 2, 4, ...): bit-equal to it, without its ~30
  * torch ops per call. */
+#if VEC_PATH
+/* Butterfly stage h < VW inside one vector: lane i gets x[i] + x[i + h] where bit h of i is
+ * clear, x[i - h] - x[i] where it is set: the scalar stage's a + b and a - b, the same bits. */
+static inline VF hadamard_lanes(VF x, int64_t h) {
+#if VEC_PATH == 512
+    __m512 s;
+    __mmask16 m;
+    if (h == 1) {
+        s = _mm512_permute_ps(x, 0xB1);
+        m = 0xAAAA;
+    } else if (h == 2) {
+        s = _mm512_permute_ps(x, 0x4E);
+        m = 0xCCCC;
+    } else if (h == 4) {
+        s = _mm512_shuffle_f32x4(x, x, 0xB1);
+        m = 0xF0F0;
+    } else {
+        s = _mm512_shuffle_f32x4(x, x, 0x4E);
+        m = 0xFF00;
+    }
+    return _mm512_mask_sub_ps(_mm512_add_ps(x, s), m, s, x);
+#else
+    if (h == 1) {
+        const __m256 s = _mm256_permute_ps(x, 0xB1);
+        return _mm256_blend_ps(_mm256_add_ps(x, s), _mm256_sub_ps(s, x), 0xAA);
+    }
+    if (h == 2) {
+        const __m256 s = _mm256_permute_ps(x, 0x4E);
+        return _mm256_blend_ps(_mm256_add_ps(x, s), _mm256_sub_ps(s, x), 0xCC);
+    }
+    const __m256 s = _mm256_permute2f128_ps(x, x, 0x01);
+    return _mm256_blend_ps(_mm256_add_ps(x, s), _mm256_sub_ps(s, x), 0xF0);
+#endif
+}
+
+/* hadamard_block for block = NV * VW (NV <= 16), the block held in registers: the stages
+ * inside a vector, then those across vectors, in the scalar loop's order (h = 1, 2, 4, ...),
+ * each butterfly the same a + b, a - b; then the scale. Bit-equal to the scalar loop. */
+static inline __attribute__((always_inline)) void hadamard_block_vec(float *o, const int64_t NV,
+                                                                     float scale) {
+    VF r[16];
+    for (int64_t c = 0; c < NV; c++) {
+        r[c] = VLOAD(o + VW * c);
+        for (int64_t h = 1; h < VW; h *= 2) r[c] = hadamard_lanes(r[c], h);
+    }
+    for (int64_t hv = 1; hv < NV; hv *= 2) /* h = hv * VW */
+        for (int64_t i = 0; i < NV; i += 2 * hv)
+            for (int64_t j = i; j < i + hv; j++) {
+                const VF a = r[j], b = r[j + hv];
+                r[j] = VADD(a, b);
+#if VEC_PATH == 512
+                r[j + hv] = _mm512_sub_ps(a, b);
+#else
+                r[j + hv] = _mm256_sub_ps(a, b);
+#endif
+            }
+    const VF sc = VSET1(scale);
+    for (int64_t c = 0; c < NV; c++) VSTORE(o + VW * c, VMUL(r[c], sc));
+}
+#endif
+
 static inline void hadamard_block(float *o, int64_t block, float scale) {
+#if VEC_PATH
+    if (block == 4 * VW) { /* SmolLM2's 64 (AVX-512), or 32 on AVX2: unrolled */
+        hadamard_block_vec(o, 4, scale);
+        return;
+    }
+    if (block == 8 * VW) {
+        hadamard_block_vec(o, 8, scale);
+        return;
+    }
+    if (block % VW == 0 && block <= 16 * VW) {
+        hadamard_block_vec(o, block / VW, scale);
+        return;
+    }
+#endif
     for (int64_t h = 1; h < block; h *= 2)
         for (int64_t i = 0; i < block; i += 2 * h)
             for (int64_t j = i; j < i + h; j++) {
@@ -1130,8 +1234,12 @@ int kvmesh_hadamard_f32(const float *x, float *out, int64_t n, int64_t D, int64_
 /* kvmesh_hadamard_f32 in place on one thread, for the kernels that fuse int4's rotations
  * (the V rows a write stores, a decode step's output): the same butterflies, the same bits.
  * x (n, D), block a power of two dividing D (the caller checks). */
-void kvmesh_hadamard_rows_(float *x, int64_t n, int64_t D, int64_t block, float scale) {
+static void hadamard_rows(float *x, int64_t n, int64_t D, int64_t block, float scale) {
     for (int64_t r = 0; r < n * (D / block); r++) hadamard_block(x + r * block, block, scale);
+}
+
+void kvmesh_hadamard_rows_(float *x, int64_t n, int64_t D, int64_t block, float scale) {
+    hadamard_rows(x, n, D, block, scale);
 }
 
 /* kvmesh_decode_attention_quant, then the output rotated back (int4 keeps V rotated): out
@@ -1147,11 +1255,9 @@ int kvmesh_decode_attention_quant_rot(int fmt, const float *q, const uint8_t *k,
                                       int64_t page_stride, float scale, int64_t window,
                                       int num_threads, int64_t rot_block, float rot_scale) {
     if (rot_block < 0 || (rot_block & (rot_block - 1)) || (rot_block && D % rot_block)) return 2;
-    const int rc = kvmesh_decode_attention_quant(
-        fmt, q, k, ks, kz, v, vs, vz, res_k, res_v, block_tables, context_lens, res_slots, out, B,
-        P, res_pages, Hq, Hkv, D, bs, page_stride, scale, window, num_threads);
-    if (rc == 0 && rot_block) kvmesh_hadamard_rows_(out, B * Hq, D, rot_block, rot_scale);
-    return rc;
+    return decode_quant(fmt, q, k, ks, kz, v, vs, vz, res_k, res_v, block_tables, context_lens,
+                        res_slots, out, B, P, res_pages, Hq, Hkv, D, bs, page_stride, scale,
+                        window, num_threads, rot_block, rot_scale);
 }
 
 /* ------------------------------------------------------------------------------------------

@@ -129,61 +129,125 @@ def paged_decode_attention_cpu(
     return out
 
 
+class DecodeIndices:
+    """One step's decode tables for the quantized kernel, checked and made contiguous once
+    for every layer's ``QuantLayerDecoder.decode``: ``block_tables`` (B, P), ``context_lens``
+    (B,), ``residual_slots`` as ``paged_decode_attention_cpu`` takes them; ``bs`` the block
+    size, ``num_slots`` the residual's R (every layer's: one geometry)."""
+
+    def __init__(self, block_tables, context_lens, residual_slots, *, bs: int, num_slots: int):
+        B = context_lens.shape[0] if context_lens.dim() == 1 else -1
+        check_index(block_tables, "block_tables", (B, None))
+        check_index(context_lens, "context_lens", (B,))
+        self.slots = residual_page_slots(
+            residual_slots, context_lens, bs=bs, num_slots=num_slots
+        )  # (B, W) contiguous
+        if B and int(block_tables.shape[1]) * bs < int(context_lens.max()):
+            raise ValueError("block_tables have fewer pages than context_lens need")
+        self.tables, self.lens = block_tables.contiguous(), context_lens.contiguous()
+        self.B, self.bs, self.num_slots = B, bs, num_slots
+
+
+class QuantLayerDecoder:
+    """The quantized half of ``paged_decode_attention_cpu`` for one layer's pool views and
+    fp32 residual, checked once (the engine calls it every layer of every step); ``decode``
+    checks only the query and the step's indices against the layer. The same C call."""
+
+    def __init__(self, *, fmt, cache, residual_k, residual_v, library=None):
+        if fmt not in _QUANT_CODES:
+            raise ValueError(f"not a quantized format the CPU kernel reads: {fmt!r}")
+        self.bs, self.Hkv, self.D = check_cache(fmt, cache, residual_k, residual_v)
+        for name, r in (("residual_k", residual_k), ("residual_v", residual_v)):
+            if r.dtype != torch.float32 or not r.is_contiguous():
+                raise ValueError(
+                    f"{name} must be contiguous float32 for the CPU kernel, got {r.dtype}"
+                )
+        # every component of the pool lies at the same byte stride from page to page
+        stride = cache["k"].stride(0) * cache["k"].element_size()
+        for name, t in cache.items():
+            if t.stride(0) * t.element_size() != stride or not t[0].is_contiguous():
+                raise ValueError(f"view {name!r} is not a dense component of a page-major pool")
+        self.fmt, self.num_slots = fmt, residual_k.shape[0]
+        self._ptr = [cache[n].data_ptr() if n in cache else None for n in _QUANT_VIEWS]
+        self._res = (residual_k.data_ptr(), residual_v.data_ptr())
+        self._stride = stride
+        self._lib = library
+
+    def decode(self, q, idx: DecodeIndices, scale, sliding_window=None, out=None, rotation=None):
+        """``paged_decode_attention_cpu`` for this layer over the step's ``idx``."""
+        Hkv, D, bs = self.Hkv, self.D, self.bs
+        rot = int(rotation or 0)
+        if rot < 0 or rot & (rot - 1) or (rot and D % rot):
+            raise ValueError(f"out_rotation must be a power of two dividing {D}, got {rotation}")
+        if q.dim() != 3 or q.shape[2] != D or q.shape[1] % Hkv:
+            raise ValueError(f"q must be (B, Hq, {D}) with Hq a multiple of {Hkv}, got {q.shape}")
+        B, Hq, _ = q.shape
+        if idx.B != B or idx.bs != bs or idx.num_slots != self.num_slots:
+            raise ValueError(
+                f"the step's tables are for {idx.B} sequences (block size {idx.bs}, "
+                f"{idx.num_slots} residual slots), q for {B} (block size {bs}, "
+                f"{self.num_slots} slots)"
+            )
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+        qf = q.detach().to(torch.float32).contiguous()
+        o = out if _writable_in_place(out, (B, Hq, D), qf) else torch.empty((B, Hq, D))
+        if B:
+            tables, slots = idx.tables, idx.slots
+            args = (
+                _QUANT_CODES[self.fmt], qf.data_ptr(), *self._ptr, *self._res,
+                tables.data_ptr(), idx.lens.data_ptr(), slots.data_ptr(), o.data_ptr(),
+                B, tables.shape[1], slots.shape[1], Hq, Hkv, D, bs, self._stride, float(scale),
+                sliding_window or 0, torch.get_num_threads(),
+            )  # fmt: skip
+            lib = self._lib or default_library()
+            if rot:  # the output rotated in the same call
+                rc = lib.fn("kvmesh_decode_attention_quant_rot")(*args, rot, 1.0 / rot**0.5)
+            else:
+                rc = lib.fn("kvmesh_decode_attention_quant")(*args)
+            if rc == 1:
+                raise MemoryError("the CPU attention kernel could not allocate its scratch")
+            if rc == 3:
+                raise ValueError(f"residual_slots must have W >= 1 columns, got {slots.shape[1]}")
+            if rc:
+                raise ValueError(
+                    f"the CPU attention kernel rejected {self.fmt} pages with head_size {D}"
+                )
+        if o is out:
+            return out
+        o = o.to(q.dtype)
+        if out is None:
+            return o
+        out.copy_(o)
+        return out
+
+
+def _writable_in_place(out, shape, src: torch.Tensor) -> bool:
+    """Whether a kernel may write its float32 result straight into ``out``: contiguous, of
+    ``shape``, on the CPU, and not overlapping the input ``src`` it reads meanwhile."""
+    if out is None or out.dtype != torch.float32 or out.device.type != "cpu":
+        return False
+    if tuple(out.shape) != shape or not out.is_contiguous():
+        return False
+    a, b = out.data_ptr(), src.data_ptr()
+    return a + out.numel() * 4 <= b or b + src.numel() * src.element_size() <= a
+
+
 def _quantized(
     q, fmt, cache, block_tables, context_lens, scale, sliding_window, out, library,
     residual_k, residual_v, residual_slots, out_rotation=None,
 ) -> torch.Tensor:  # fmt: skip
-    bs, Hkv, D = check_cache(fmt, cache, residual_k, residual_v)
-    rot = int(out_rotation or 0)
-    if rot < 0 or rot & (rot - 1) or (rot and D % rot):
-        raise ValueError(f"out_rotation must be a power of two dividing {D}, got {out_rotation}")
-    if q.dim() != 3 or q.shape[2] != D or q.shape[1] % Hkv:
-        raise ValueError(f"q must be (B, Hq, {D}) with Hq a multiple of {Hkv}, got {q.shape}")
-    B, Hq, _ = q.shape
-    check_index(block_tables, "block_tables", (B, None))
-    check_index(context_lens, "context_lens", (B,))
-    for name, r in (("residual_k", residual_k), ("residual_v", residual_v)):
-        if r.dtype != torch.float32 or not r.is_contiguous():
-            raise ValueError(f"{name} must be contiguous float32 for the CPU kernel, got {r.dtype}")
-    slots = residual_page_slots(
-        residual_slots, context_lens, bs=bs, num_slots=residual_k.shape[0]
-    )  # (B, W) contiguous
-    # every component of the pool lies at the same byte stride from page to page
-    stride = cache["k"].stride(0) * cache["k"].element_size()
-    for name, t in cache.items():
-        if t.stride(0) * t.element_size() != stride or not t[0].is_contiguous():
-            raise ValueError(f"view {name!r} is not a dense component of a page-major pool")
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
-    if B and int(block_tables.shape[1]) * bs < int(context_lens.max()):
-        raise ValueError("block_tables have fewer pages than context_lens need")
-    qf = q.detach().to(torch.float32).contiguous()
-    tables, lens = block_tables.contiguous(), context_lens.contiguous()
-    o = torch.empty((B, Hq, D), dtype=torch.float32)
-    if B:
-        ptr = [cache[n].data_ptr() if n in cache else None for n in _QUANT_VIEWS]
-        args = (
-            _QUANT_CODES[fmt], qf.data_ptr(), *ptr, residual_k.data_ptr(), residual_v.data_ptr(),
-            tables.data_ptr(), lens.data_ptr(), slots.data_ptr(), o.data_ptr(),
-            B, tables.shape[1], slots.shape[1], Hq, Hkv, D, bs, stride, float(scale),
-            sliding_window or 0, torch.get_num_threads(),
-        )  # fmt: skip
-        lib = library or default_library()
-        if rot:  # the output rotated in the same call
-            rc = lib.fn("kvmesh_decode_attention_quant_rot")(*args, rot, 1.0 / rot**0.5)
-        else:
-            rc = lib.fn("kvmesh_decode_attention_quant")(*args)
-        if rc == 1:
-            raise MemoryError("the CPU attention kernel could not allocate its scratch")
-        if rc == 3:
-            raise ValueError(f"residual_slots must have W >= 1 columns, got {slots.shape[1]}")
-        if rc:
-            raise ValueError(f"the CPU attention kernel rejected {fmt} pages with head_size {D}")
-    o = o.to(q.dtype)
-    if out is None:
-        return o
-    out.copy_(o)
-    return out
+    dec = QuantLayerDecoder(
+        fmt=fmt, cache=cache, residual_k=residual_k, residual_v=residual_v, library=library
+    )
+    if q.dim() != 3 or q.shape[2] != dec.D or q.shape[1] % dec.Hkv:
+        raise ValueError(
+            f"q must be (B, Hq, {dec.D}) with Hq a multiple of {dec.Hkv}, got {q.shape}"
+        )
+    idx = DecodeIndices(
+        block_tables, context_lens, residual_slots, bs=dec.bs, num_slots=dec.num_slots
+    )
+    return dec.decode(q, idx, scale, sliding_window, out, out_rotation)
 
 
 def hadamard_cpu(x: torch.Tensor, block: int, library: CpuLibrary | None = None) -> torch.Tensor:

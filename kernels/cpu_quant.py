@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from kvmesh.kernels.cache_write import _check_write_args
 from kvmesh.kernels.cpu_native import CpuKernelError, CpuLibrary, default_library
 from kvmesh.kernels.page_format import QUANT_FORMATS
+from kvmesh.kernels.paged_kv import check_cache, check_index
 
 _CODES = {"fp8": 1, "int8": 2, "int4": 3}
 _VIEWS = ("k", "k_scale", "k_zero", "v", "v_scale", "v_zero")
@@ -61,6 +61,106 @@ def quantize_pages_into(
         raise CpuKernelError(f"kvmesh_quantize_pages rejected {fmt} pages of head_size {D}")
 
 
+class WriteIndices:
+    """One step's quantized-write indices (``AttentionMetadata``'s ``residual_slots`` (T,),
+    ``complete_pages`` (n,), ``complete_src`` (n, bs)), checked and made contiguous once for
+    every layer's ``LayerWriter.write`` of the step."""
+
+    def __init__(self, residual_slots, complete_pages, complete_src, block_size: int):
+        check_index(residual_slots, "residual_slots", (None,))
+        check_index(complete_pages, "complete_pages", (None,))
+        check_index(complete_src, "complete_src", (complete_pages.shape[0], block_size))
+        self.rows = residual_slots.contiguous()  # (T,)
+        self.pages = complete_pages.contiguous()  # (n,)
+        self.src = complete_src.contiguous()  # (n, bs)
+        self.block_size = block_size
+
+
+class LayerWriter:
+    """``write_kv_cache_cpu`` for one layer's quantized views and fp32 residual, checked once
+    (the engine writes every layer every step: the per-call checks cost more than the C call
+    at decode sizes); ``write`` checks only what changes from call to call (k, v, the step's
+    indices against the layer). The same C call, so the same bytes."""
+
+    def __init__(
+        self,
+        *,
+        fmt: str,
+        cache: dict[str, torch.Tensor],
+        residual_k: torch.Tensor,
+        residual_v: torch.Tensor,
+        library: CpuLibrary | None = None,
+    ):
+        if fmt not in _CODES:
+            raise ValueError(f"not a quantized cache format: {fmt!r}; accepted: {QUANT_FORMATS}")
+        self.bs, self.H, self.D = check_cache(fmt, cache, residual_k, residual_v)
+        if not (residual_k.is_contiguous() and residual_v.is_contiguous()):
+            raise ValueError("residual_k and residual_v must be contiguous")
+        if residual_k.dtype != torch.float32 or residual_v.dtype != torch.float32:
+            raise ValueError(f"residual_k/v must be float32, got {residual_k.dtype}")
+        stride = cache["k"].stride(0) * cache["k"].element_size()
+        for name, t in cache.items():
+            if t.stride(0) * t.element_size() != stride or not t[0].is_contiguous():
+                raise ValueError(f"view {name!r} is not a dense component of a page-major pool")
+        self.fmt, self.cache = fmt, cache
+        self.residual_k, self.residual_v = residual_k, residual_v  # (R, bs, H, D) each
+        self._R, self._num_pages = residual_k.shape[0], cache["k"].shape[0]
+        self._ptr = [cache[c].data_ptr() if c in cache else None for c in _VIEWS]
+        self._head = (_CODES[fmt],)
+        self._tail = (residual_k.data_ptr(), residual_v.data_ptr(), self._R)
+        self._pool = (self._num_pages, self.bs, self.H, self.D, *self._ptr, stride)
+        self._fn = (library or default_library()).fn("kvmesh_write_kv_quant")
+
+    def write(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        idx: WriteIndices,
+        v_rotation: int | None = None,
+    ) -> None:
+        """Store the step's k, v (T, H, D) as ``write_kv_cache_cpu`` does."""
+        H, D = self.H, self.D
+        if k.shape != v.shape or k.dim() != 3 or tuple(k.shape[1:]) != (H, D):
+            raise ValueError(f"k, v must be (T, {H}, {D}), got {tuple(k.shape)}, {tuple(v.shape)}")
+        if not k.is_floating_point() or k.dtype != v.dtype:
+            raise ValueError(f"k, v must share a float dtype, got {k.dtype}, {v.dtype}")
+        if k.stride(-1) != 1 or v.stride(-1) != 1:
+            raise ValueError(f"k, v need a unit innermost stride, got {k.stride()}, {v.stride()}")
+        T, n = k.shape[0], idx.pages.shape[0]
+        if idx.rows.shape[0] != T or idx.block_size != self.bs:
+            raise ValueError(
+                f"residual_slots must have shape ({T},) and complete_src ({n}, {self.bs}), got "
+                f"{tuple(idx.rows.shape)}, {tuple(idx.src.shape)}"
+            )
+        # one C call (kvmesh_write_kv_quant): the completing pages assembled from the ring and
+        # the new tokens and quantized, then the new tokens' rows stored into the ring; k and
+        # v are read in place where each token's H * D values are contiguous (the fused qkv
+        # output's columns), so no copy
+        if k.dtype != torch.float32 or (T and not k[0].is_contiguous()):
+            k = k.float().contiguous()
+        if v.dtype != torch.float32 or (T and not v[0].is_contiguous()):
+            v = v.float().contiguous()
+        rot = int(v_rotation or 0)
+        if rot < 0 or rot & (rot - 1) or (rot and D % rot):
+            raise ValueError(f"v_rotation must be a power of two dividing {D}, got {v_rotation}")
+        rc = self._fn(
+            *self._head, k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), T,
+            idx.rows.data_ptr(), *self._tail, n, idx.pages.data_ptr(), idx.src.data_ptr(),
+            *self._pool, torch.get_num_threads(), rot, 1.0 / rot**0.5 if rot else 0.0,
+        )  # fmt: skip
+        if rc == 4:
+            raise ValueError(
+                f"residual_slots, complete_pages or complete_src out of range (residual rows "
+                f"{self._R * self.bs}, new tokens {T}, pool pages {self._num_pages})"
+            )
+        if rc == 1:
+            raise MemoryError("kvmesh_write_kv_quant could not allocate its page scratch")
+        if rc:
+            raise CpuKernelError(
+                f"kvmesh_write_kv_quant rejected {self.fmt} pages of head_size {D}"
+            )
+
+
 def write_kv_cache_cpu(
     *,
     fmt: str,
@@ -79,55 +179,12 @@ def write_kv_cache_cpu(
     (``kvmesh_write_kv_quant``): the same bytes in the pool and the residual (the quantizer
     as ``quantize_pages_into``). ``v_rotation``: a block size; v is first rotated as
     ``quant.hadamard_transform(v, v_rotation)`` rotates it (int4 keeps V rotated), in C, bit
-    for bit, so the caller need not (v as given is not changed)."""
-    bs, H, D = _check_write_args(
-        fmt=fmt,
-        k=k,
-        v=v,
-        cache=cache,
-        slot_mapping=None,
-        residual_k=residual_k,
-        residual_v=residual_v,
-        residual_slots=residual_slots,
-        complete_pages=complete_pages,
-        complete_src=complete_src,
+    for bit, so the caller need not (v as given is not changed). The engine's backend keeps a
+    ``LayerWriter`` per layer and one ``WriteIndices`` per step instead (the same call)."""
+    if fmt not in _CODES:
+        raise ValueError(f"not a quantized cache format: {fmt!r}; accepted: {QUANT_FORMATS}")
+    writer = LayerWriter(
+        fmt=fmt, cache=cache, residual_k=residual_k, residual_v=residual_v, library=library
     )
-    R, n = residual_k.shape[0], complete_pages.shape[0]
-    if not (residual_k.is_contiguous() and residual_v.is_contiguous()):
-        raise ValueError("residual_k and residual_v must be contiguous")
-    if residual_k.dtype != torch.float32 or residual_v.dtype != torch.float32:
-        raise ValueError(f"residual_k/v must be float32, got {residual_k.dtype}")
-    # one C call (kvmesh_write_kv_quant): the completing pages assembled from the ring and
-    # the new tokens and quantized, then the new tokens' rows stored into the ring; k and v
-    # are read in place where each token's H * D values are contiguous (the fused qkv
-    # output's columns), so no copy
-    if k.dtype != torch.float32 or (k.shape[0] and not k[0].is_contiguous()):
-        k = k.float().contiguous()
-    if v.dtype != torch.float32 or (v.shape[0] and not v[0].is_contiguous()):
-        v = v.float().contiguous()
-    stride = cache["k"].stride(0) * cache["k"].element_size()
-    for name, t in cache.items():
-        if t.stride(0) * t.element_size() != stride or not t[0].is_contiguous():
-            raise ValueError(f"view {name!r} is not a dense component of a page-major pool")
-    rot = int(v_rotation or 0)
-    if rot < 0 or rot & (rot - 1) or (rot and D % rot):
-        raise ValueError(f"v_rotation must be a power of two dividing {D}, got {v_rotation}")
-    T = k.shape[0]
-    rows, pages, src = residual_slots.contiguous(), complete_pages.contiguous(), complete_src
-    src = src.contiguous()
-    ptr = [cache[c].data_ptr() if c in cache else None for c in _VIEWS]
-    rc = (library or default_library()).fn("kvmesh_write_kv_quant")(
-        _CODES[fmt], k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), T, rows.data_ptr(),
-        residual_k.data_ptr(), residual_v.data_ptr(), R, n, pages.data_ptr(), src.data_ptr(),
-        cache["k"].shape[0], bs, H, D, *ptr, stride, torch.get_num_threads(), rot,
-        1.0 / rot**0.5 if rot else 0.0,
-    )  # fmt: skip
-    if rc == 4:
-        raise ValueError(
-            f"residual_slots, complete_pages or complete_src out of range (residual rows "
-            f"{R * bs}, new tokens {T}, pool pages {cache['k'].shape[0]})"
-        )
-    if rc == 1:
-        raise MemoryError("kvmesh_write_kv_quant could not allocate its page scratch")
-    if rc:
-        raise CpuKernelError(f"kvmesh_write_kv_quant rejected {fmt} pages of head_size {D}")
+    idx = WriteIndices(residual_slots, complete_pages, complete_src, writer.bs)
+    writer.write(k, v, idx, v_rotation)

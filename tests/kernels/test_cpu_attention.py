@@ -285,10 +285,19 @@ def test_hadamard_is_bit_equal_to_the_torch_rotation(libraries, build):
 
     lib = libraries[build]
     g = torch.Generator().manual_seed(21)
-    for shape, block in [((16, 3, 64), 64), ((5, 9, 128), 128), ((7, 2, 96), 32), ((3, 8), 1)]:
+    # every path of the C rotation: blocks held in registers (a vector's width and up to 16
+    # vectors: 8-256 on AVX2, 16-256 on AVX-512; 64 and 128 unrolled), the scalar loop for
+    # the rest (1, 2, 4, 512, 1024, and everything on the portable build)
+    shapes = [((16, 3, 64), 64), ((5, 9, 128), 128), ((7, 2, 96), 32), ((3, 8), 1)]
+    shapes += [((9, 16), 2), ((9, 16), 4), ((9, 32), 8), ((5, 48), 16), ((3, 512), 256)]
+    shapes += [((3, 1024), 512), ((2, 2048), 1024)]
+    for shape, block in shapes:
         x = torch.randn(*shape, generator=g) * 10
-        got = cpu_attention.hadamard_cpu(x, block, library=lib)
-        assert got.shape == x.shape and torch.equal(got, hadamard_transform(x, block))
+        x.view(-1)[:6] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), 1e-40, 3e38])
+        got, want = cpu_attention.hadamard_cpu(x, block, library=lib), hadamard_transform(x, block)
+        assert got.shape == x.shape and torch.equal(got.isnan(), want.isnan()), (shape, block)
+        same = got.view(torch.int32) == want.view(torch.int32)  # signed zeros, infinities too
+        assert (same | got.isnan()).all(), (shape, block)
     x = torch.randn(4, 64, generator=g)
     half = cpu_attention.hadamard_cpu(x.half(), 64, library=lib)  # torch's path
     assert half.dtype == torch.float16 and torch.equal(half, hadamard_transform(x.half(), 64))
@@ -345,3 +354,37 @@ def test_output_rotation_in_the_kernel_is_the_rotation_after_it(libraries, build
     with pytest.raises(ValueError, match="out_rotation is for quantized pages"):
         fp32 = _sim("fp32", Hkv, D, [[3, 4, 1, 9]], seed=1)
         cpu_attention.paged_decode_attention_cpu(**_args(fp32, q, 0.1), out_rotation=D)
+
+
+def test_a_layer_decoder_with_the_steps_tables_is_the_one_call(libraries):
+    """The backend's int4 decode path: a ``QuantLayerDecoder`` per layer (checked once) and
+    one ``DecodeIndices`` per step, shared by the layers, give the same bits as
+    ``paged_decode_attention_cpu`` per layer, written into ``out``; tables of another batch
+    size or block size are refused by name."""
+    lib = libraries["native"]
+    D, Hq, Hkv = 64, 9, 3
+    sim = _sim("int4", Hkv, D, [[37, 32, 1, 90], [2, 0, 0, 6]], seed=3)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(4, Hq, D, generator=g)
+    a0 = _quant_args(sim, q, 0.125)
+    other = sim.views(sim.buf.clone())  # a second layer: the same tables, other codes
+    for c in ("k", "v"):
+        other[c].copy_(torch.randint(0, 256, other[c].shape, generator=g, dtype=torch.uint8))
+    args = [a0, dict(a0, cache=other)]
+    idx = cpu_attention.DecodeIndices(
+        a0["block_tables"], a0["context_lens"], a0["residual_slots"], bs=16,
+        num_slots=a0["residual_k"].shape[0],
+    )  # fmt: skip
+    for a in args:
+        want = cpu_attention.paged_decode_attention_cpu(**a, library=lib, out_rotation=D)
+        dec = cpu_attention.QuantLayerDecoder(
+            fmt="int4", cache=a["cache"], residual_k=a["residual_k"],
+            residual_v=a["residual_v"], library=lib,
+        )  # fmt: skip
+        out = torch.full_like(q, float("nan"))
+        got = dec.decode(q, idx, 0.125, out=out, rotation=D)
+        assert got is out and torch.equal(got, want)
+    with pytest.raises(ValueError, match="the step's tables are for 4 sequences"):
+        dec.decode(q[:3], idx, 0.125)
+    with pytest.raises(ValueError, match="out_rotation must be a power of two"):
+        dec.decode(q, idx, 0.125, rotation=24)

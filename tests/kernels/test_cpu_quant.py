@@ -197,3 +197,34 @@ def test_writer_rotating_v_equals_rotating_before_it(lib):
     assert torch.equal(sims[0].residual, sims[1].residual)
     with pytest.raises(ValueError, match="v_rotation must be a power of two"):
         cpu_quant.write_kv_cache_cpu(**kws[1], library=lib, v_rotation=48)
+
+
+def test_one_layer_writer_over_many_steps_is_the_torch_writer(lib):
+    """The backend's path: a ``LayerWriter`` made once for a layer and one ``WriteIndices``
+    per step (V rotated in the call) leave the pool and ring as the torch writer given the
+    V rows rotated by the torch rotation; indices for another number of tokens are refused
+    before anything is written."""
+    from kvmesh.kernels.quant import hadamard_transform
+
+    sims = [KVSim("int8", H=3, D=64, seed=6, num_reqs=3) for _ in range(2)]
+    writer = None
+    for new in ([5, 16, 40], [11, 1, 0], [1, 1, 1], [20, 3, 8]):
+        kws = [s.step(new) for s in sims]
+        write_kv_cache_torch(**dict(kws[0], v=hadamard_transform(kws[0]["v"], 64)))
+        kw = kws[1]
+        kw.pop("slot_mapping")
+        if writer is None:
+            writer = cpu_quant.LayerWriter(
+                fmt="int8", cache=kw["cache"], residual_k=kw["residual_k"],
+                residual_v=kw["residual_v"], library=lib,
+            )  # fmt: skip
+        idx = cpu_quant.WriteIndices(
+            kw["residual_slots"], kw["complete_pages"], kw["complete_src"], 16
+        )
+        writer.write(kw["k"], kw["v"], idx, v_rotation=64)
+    assert torch.equal(sims[0].buf, sims[1].buf)
+    assert torch.equal(sims[0].residual, sims[1].residual)
+    before = sims[1].buf.clone()
+    with pytest.raises(ValueError, match=r"residual_slots must have shape \(2,\)"):
+        writer.write(kw["k"][:2], kw["v"][:2], idx)
+    assert torch.equal(sims[1].buf, before)

@@ -107,3 +107,18 @@ def test_a_chunk_continuing_a_page_needs_its_slot():
     res = torch.zeros(1, BS, 1, 2)
     with pytest.raises(AssertionError, match="residual slot"):
         exact_own_pages(_span(2, 5), t, t, res, res, BS)
+
+
+def test_a_fresh_chunk_of_whole_pages_reads_its_own_rows_in_place():
+    """Nothing before the chunk and whole pages: its exact keys are exactly its new rows, so
+    they come back as views of k and v (no copy); a chunk ending inside a page still gets a
+    buffer with zeros after its last token."""
+    H, D = 2, 3
+    k, v = torch.randn(10, H, D), torch.randn(10, H, D)
+    res = torch.zeros(2, BS, H, D)
+    xk, xv = exact_own_pages(_span(8, 8, start=2, slot=0, W=2), k, v, res, res, BS)
+    assert torch.equal(xk, k[2:10]) and torch.equal(xv, v[2:10])
+    assert xk.data_ptr() == k[2].data_ptr() and xv.data_ptr() == v[2].data_ptr()
+    xk, xv = exact_own_pages(_span(7, 7, start=2, slot=0, W=2), k, v, res, res, BS)
+    assert xk.shape == (8, H, D) and torch.equal(xk[:7], k[2:9]) and not xk[7:].any()
+    assert xk.data_ptr() != k[2].data_ptr()

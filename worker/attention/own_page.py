@@ -99,13 +99,16 @@ def exact_own_pages(
     ``E0`` up to the chunk from the request's ring (``span.request_slot``; call this before
     the step's write, which may reuse the ring's pages), then the chunk's tokens
     ``k/v[start:start + q_len]`` (V as stored: rotated where the format rotates it), zeros
-    after ``context_len``."""
+    after ``context_len``. On CPU, a chunk that is all of them (nothing from the ring, whole
+    pages) gets views of k and v themselves, not copies (the C kernels and SDPA read views)."""
     bs = block_size
     _, e0, lx = own_page_geometry(span, bs)
     head = span.context_len - span.q_len - e0  # earlier tokens, in the ring
     s, n = span.start, span.q_len
     if head and span.request_slot < 0:
         raise AssertionError("a chunk reading earlier exact pages has no residual slot")
+    if not head and lx == n and k.dtype == residual_k.dtype and k.device.type == "cpu":
+        return k[s : s + n], v[s : s + n]  # a fresh chunk of whole pages: views, no copy
     ring = [
         residual_page(span.request_slot, j, span.residual_pages)
         for j in range(e0 // bs, -(-(e0 + head) // bs))

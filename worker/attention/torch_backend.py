@@ -50,6 +50,11 @@ class TorchAttentionBackend(AttentionBackend):
         self._native = None
         self._prefill_tuner = None  # fresh causal prefill: SDPA or C, measured (prefill_tune)
         self._hadamard = hadamard_transform  # int4's V rotation (kernels.quant)
+        # quantized writes in C: a checked writer per layer cache (id -> (cache, its views,
+        # residual K and V, the writer): a cache seen again with other tensors gets a new one),
+        # and the step's indices checked once for every layer (built on first use)
+        self._writers: dict = {}  # and ("decode", id) -> (..., the layer's C decoder)
+        self._write_idx = self._decode_idx = None
         if native:
             from kvmesh.worker import cpu_kernels
 
@@ -64,6 +69,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def prepare(self, meta: AttentionMetadata) -> None:
         self._meta = meta
+        self._write_idx = self._decode_idx = None
         bs = meta.block_size
         dev = meta.slot_mapping.device
         self._page_idx = meta.slot_mapping // bs  # (T,) where each new token is written
@@ -180,6 +186,56 @@ class TorchAttentionBackend(AttentionBackend):
             return False
         return self._fresh_in_c(native, None, q, n, Hkv)
 
+    def _write_in_c(self, cache: LayerCache, k, v, v_rotation: int | None) -> None:
+        """``cpu_quant.write_kv_cache_cpu``, with the layer's writer and the step's indices
+        checked once (kernels.cpu_quant.LayerWriter): the same C call."""
+        from kvmesh.kernels.cpu_quant import LayerWriter, WriteIndices
+
+        got = self._writers.get(id(cache))
+        held = (cache, cache.views, cache.residual_k, cache.residual_v)
+        if got is None or any(a is not b for a, b in zip(got, held)):
+            writer = LayerWriter(
+                fmt=cache.cache_format,
+                cache=cache.views,
+                residual_k=cache.residual_k,
+                residual_v=cache.residual_v,
+            )
+            got = self._writers[id(cache)] = (*held, writer)
+        if self._write_idx is None:
+            m = self._meta
+            self._write_idx = WriteIndices(
+                m.residual_slots, m.complete_pages, m.complete_src, m.block_size
+            )
+        got[4].write(k, v, self._write_idx, v_rotation)
+
+    def _decode_quant_in_c(self, cache: LayerCache, q, scale, out, rotation) -> None:
+        """``cpu_attention.paged_decode_attention_cpu`` over quantized pages, with the layer's
+        decoder and the step's tables checked once (kernels.cpu_attention.QuantLayerDecoder):
+        the same C call."""
+        from kvmesh.kernels.cpu_attention import DecodeIndices, QuantLayerDecoder
+
+        key = ("decode", id(cache))
+        got = self._writers.get(key)
+        held = (cache, cache.views, cache.residual_k, cache.residual_v)
+        if got is None or any(a is not b for a, b in zip(got, held)):
+            dec = QuantLayerDecoder(
+                fmt=cache.cache_format,
+                cache=cache.views,
+                residual_k=cache.residual_k,
+                residual_v=cache.residual_v,
+            )
+            got = self._writers[key] = (*held, dec)
+        if self._decode_idx is None:
+            m = self._meta
+            self._decode_idx = DecodeIndices(
+                m.decode_block_tables,
+                m.decode_context_lens,
+                m.decode_residual_slots,
+                bs=m.block_size,
+                num_slots=cache.residual_k.shape[0],
+            )
+        got[4].decode(q, self._decode_idx, scale, self.sliding_window, out, rotation)
+
     def forward(self, q, k, v, cache: LayerCache, scale):
         meta = self._meta
         assert meta is not None, "prepare() must be called before forward()"
@@ -198,23 +254,22 @@ class TorchAttentionBackend(AttentionBackend):
         if cache.quantized:
             for span, _, _ in self._prefill:
                 exact.append(exact_own_pages(span, k, v, cache.residual_k, cache.residual_v, bs))
-            from kvmesh.kernels.cache_write import write_kv_cache  # Triton on CUDA
-
             if native and cache.residual_k.dtype == torch.float32:
-                from kvmesh.kernels.cpu_quant import write_kv_cache_cpu as write_kv_cache
+                self._write_in_c(cache, k, v, rot if fused else None)
+            else:
+                from kvmesh.kernels.cache_write import write_kv_cache  # Triton on CUDA
 
-            write_kv_cache(
-                fmt=cache.cache_format,
-                k=k,
-                v=v,
-                cache=cache.views,
-                residual_k=cache.residual_k,
-                residual_v=cache.residual_v,
-                residual_slots=meta.residual_slots,
-                complete_pages=meta.complete_pages,
-                complete_src=meta.complete_src,
-                **({"v_rotation": rot} if fused else {}),
-            )
+                write_kv_cache(
+                    fmt=cache.cache_format,
+                    k=k,
+                    v=v,
+                    cache=cache.views,
+                    residual_k=cache.residual_k,
+                    residual_v=cache.residual_v,
+                    residual_slots=meta.residual_slots,
+                    complete_pages=meta.complete_pages,
+                    complete_src=meta.complete_src,
+                )
         else:
             kc, vc = cache.views["k"], cache.views["v"]
             kc[self._page_idx, self._page_off] = k.to(kc.dtype)
@@ -228,7 +283,9 @@ class TorchAttentionBackend(AttentionBackend):
             res["residual_slots"] = meta.decode_residual_slots
             if fused:
                 res["out_rotation"] = rot
-        if nd and native and (not res or cache.residual_k.dtype == torch.float32):
+        if nd and native and res and cache.residual_k.dtype == torch.float32:
+            self._decode_quant_in_c(cache, q[:nd], scale, out[:nd], res.get("out_rotation"))
+        elif nd and native and not res:
             self._native(
                 q=q[:nd],
                 fmt=cache.cache_format,
