@@ -1,9 +1,10 @@
 """The Redis tier: encoded page objects in a Redis server, batched, and never a failure.
 
 Keys are ``{namespace}:{model_fp}:{cache_format}:{page_hash_hex}``, the namespace ``kvmesh``
-by default (DESIGN.md; another one keeps two clusters sharing a Redis apart). Every batch is
-one round trip: ``get`` is one MGET (its reply read straight into reused buffers, see
-``kvstore/redis_fast.py``), ``contains`` pipelined EXISTS, ``put`` pipelined SET
+by default (DESIGN.md; another one keeps two clusters sharing a Redis apart). ``get`` is
+pipelined MGETs of ~``mget_chunk_bytes`` each, ``mget_depth`` in flight on one connection
+(their replies read straight into reused buffers, see ``kvstore/redis_fast.py``);
+``contains`` is pipelined EXISTS, ``put`` pipelined SET
 with PX (a page expires ``DEFAULT_TTL_S``, a day, after it was last written, unless told
 otherwise; ``ttl_s=None``: never), ``evict`` one DEL.
 
@@ -169,7 +170,7 @@ class RedisTier(Tier):
             )
         self.mget_chunk_bytes = mget_chunk_bytes  # bytes asked per MGET of a long read
         self.mget_depth = mget_depth  # MGETs in flight at once
-        self._value_bytes = 0  # the longest value of the last read: sizes the next chunks
+        self._value_bytes = 0  # the longest value read so far: sizes the next chunks
         self._lock = threading.Lock()  # guards metrics and the health state
         self._down_since: float | None = None  # monotonic time of the incident's first fault
         self._retry_at = 0.0
@@ -298,7 +299,7 @@ class RedisTier(Tier):
 
     def _chunks(self, keys: list[str]) -> list[list[str]]:
         """``keys`` in MGETs of about ``mget_chunk_bytes`` each, sized by the longest value
-        this tier read last, or else by ``max_page_bytes`` (TieredStore sets it to the
+        this tier has read, or else by ``max_page_bytes`` (TieredStore sets it to the
         longest object its pages make); one MGET while neither is known."""
         hint = min(self.max_page_bytes, self._value_bytes or self.max_page_bytes)
         if hint >= DEFAULT_MAX_PAGE_BYTES:  # no bound and nothing read yet: sizes unknown
@@ -325,20 +326,20 @@ class RedisTier(Tier):
             if sock is None:  # not a socket connection: let redis-py read the replies
                 out: list = list(conn.read_response())
                 for chunk in chunks[1:]:
-                    conn.send_command("MGET", *chunk)
+                    conn.send_command("MGET", *chunk, check_health=False)
                     out += conn.read_response()
                 return out
             out = []
             with MgetReplies(sock, self._slabs, self.max_page_bytes) as replies:
                 for i, chunk in enumerate(chunks):
                     while sent < min(len(chunks), i + self.mget_depth):
-                        conn.send_command("MGET", *chunks[sent])
+                        # no health-check PING: it would be read as the next reply
+                        conn.send_command("MGET", *chunks[sent], check_health=False)
                         sent += 1
                     out += replies.read(len(chunk))
             longest = max((len(v) for v in out if v is not None), default=0)
-            if longest:
-                self._value_bytes = longest
-            return out
+            self._value_bytes = max(self._value_bytes, longest)  # a read of small values
+            return out  # must not make the next read of pages one huge MGET
         except BaseException:
             conn.disconnect()  # mid-reply: the connection's state is unknown
             raise

@@ -16,7 +16,7 @@ import redis
 from helpers import text_prompts
 
 from kvmesh.kvstore.codec import PageSpec, encode, max_object_bytes
-from kvmesh.kvstore.redis_fast import SlabPool
+from kvmesh.kvstore.redis_fast import MgetReplies, SlabPool
 from kvmesh.kvstore.redis_tier import RedisTier, _pooled_connection
 from kvmesh.kvstore.store import TieredStore
 from kvmesh.worker import LLM, SamplingParams
@@ -139,13 +139,33 @@ def test_values_land_in_reused_slabs_and_a_kept_value_is_never_overwritten(redis
 
 
 @pytest.mark.parametrize("depth", [1, 2, 3])
-def test_a_long_read_is_asked_in_pipelined_mgets_and_comes_back_in_order(redis_server, depth):
+def test_a_long_read_is_asked_in_pipelined_mgets_and_comes_back_in_order(
+    redis_server, depth, monkeypatch
+):
     objs = [encode(SPEC, os.urandom(SPEC.page_nbytes)) for _ in range(11)]
     tier = make_tier(redis_server.url)
     TieredStore(SPEC, [tier])  # bounds max_page_bytes to the longest object: sizes the MGETs
     tier.mget_chunk_bytes, tier.mget_depth = 3 * tier.max_page_bytes, depth
     tier.put([(h(i), o) for i, o in enumerate(objs) if i != 4])  # 4: a miss mid-read
     stats = redis.Redis.from_url(redis_server.url)
+    # MGETs sent and not yet read: at most `depth` at once, and `depth` reached
+    in_flight, most = [0], [0]
+    conn = _pooled_connection(tier._pool, "MGET")
+    tier._pool.release(conn)
+    send, read = type(conn).send_command, MgetReplies.read
+
+    def counting_send(self, *args, **kwargs):
+        if args[:1] == ("MGET",):
+            in_flight[0] += 1
+            most[0] = max(most[0], in_flight[0])
+        return send(self, *args, **kwargs)
+
+    def counting_read(self, n_keys):
+        in_flight[0] -= 1
+        return read(self, n_keys)
+
+    monkeypatch.setattr(type(conn), "send_command", counting_send)
+    monkeypatch.setattr(MgetReplies, "read", counting_read)
 
     def mget_calls() -> int:
         return stats.info("commandstats").get("cmdstat_mget", {}).get("calls", 0)
@@ -154,6 +174,7 @@ def test_a_long_read_is_asked_in_pipelined_mgets_and_comes_back_in_order(redis_s
     got = tier.get([h(i) for i in range(11)] + [h(99)])
     assert got == [None if i == 4 else objs[i] for i in range(11)] + [None]
     assert mget_calls() - before == 4  # 12 keys in MGETs of 3
+    assert most[0] == min(depth, 4) and in_flight[0] == 0
     assert tier.metrics["hits"] == 10 and tier.metrics["misses"] == 2
     assert tier.metrics["errors"] == 0
     # the connection is left in step: a plain read after it is whole
@@ -173,7 +194,11 @@ def test_a_connection_without_a_plain_socket_is_read_by_redis_py_chunk_by_chunk(
     conn = _pooled_connection(tier._pool, "MGET")
     tier._pool.release(conn)
     monkeypatch.setattr(type(conn), "_get_socket", lambda self: None)
+    stats = redis.Redis.from_url(redis_server.url)
+    before = stats.info("commandstats").get("cmdstat_mget", {}).get("calls", 0)
     assert tier.get([h(i) for i in range(7)]) == objs
+    assert stats.info("commandstats")["cmdstat_mget"]["calls"] - before == 4  # MGETs of 2
+    stats.close()
     assert tier.metrics["errors"] == 0
     tier.close()
 
