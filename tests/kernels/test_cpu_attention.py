@@ -356,6 +356,27 @@ def test_output_rotation_in_the_kernel_is_the_rotation_after_it(libraries, build
         cpu_attention.paged_decode_attention_cpu(**_args(fp32, q, 0.1), out_rotation=D)
 
 
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("window", [None, 250])  # 250 of 301 keys: still split
+def test_output_rotation_of_a_sequence_split_over_threads(libraries, build, window):
+    """One long sequence at 2 threads is split over them and its parts merged; the output
+    rotation must then run after the merge: bit for bit the separate rotation after it."""
+    lib = libraries[build]
+    D, Hq, Hkv = 64, 9, 3
+    sim = _sim("int4", Hkv, D, [[300], [1]], seed=11, num_pages=60, max_pages=40)
+    q = torch.randn(1, Hq, D, generator=torch.Generator().manual_seed(12))
+    args = _quant_args(sim, q, 1 / math.sqrt(D), window=window)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        plain = cpu_attention.paged_decode_attention_cpu(**args, library=lib)
+        want = cpu_attention.hadamard_cpu(plain, D, library=lib)
+        got = cpu_attention.paged_decode_attention_cpu(**args, library=lib, out_rotation=D)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got, want)
+
+
 def test_a_layer_decoder_with_the_steps_tables_is_the_one_call(libraries):
     """The backend's int4 decode path: a ``QuantLayerDecoder`` per layer (checked once) and
     one ``DecodeIndices`` per step, shared by the layers, give the same bits as
