@@ -934,7 +934,10 @@ static inline int64_t res_slot(const int64_t *slots, int64_t W, int64_t base, in
 }
 
 #ifndef QPF
-#define QPF 3
+#define QPF 3 /* prefetch distance + 1: the table entry QPF - 1 pages ahead */
+#endif
+#if QPF < 1
+#error "QPF must be at least 1 (it indexes table[pg + QPF - 1])"
 #endif
 static void seq_quant(int fmt, const float *qb, const qpages *P, const float *res_k,
                       const float *res_v, const int64_t *slots, int64_t W, const int64_t *table,
@@ -954,7 +957,7 @@ static void seq_quant(int fmt, const float *qb, const qpages *P, const float *re
     int split = fast; /* acc starts at zero: in either order */
     if (fast) split_rows(qb, qsp, Hq, D);
 #endif
-    /* pool pages are prefetched QPF pages ahead (the first ones before the loop) */
+    /* pool pages are prefetched QPF - 1 pages ahead (the first ones before the loop) */
     for (int64_t pg = first; pg < first + QPF - 1 && pg <= last; pg++)
         if (res_slot(slots, W, base, pg) < 0) prefetch_page(fmt, P, table[pg], bs, Hkv, D);
     for (int64_t pg = first; pg <= last; pg++) {
@@ -1784,7 +1787,8 @@ static void pr_block(const float *q, const float *const *ktr, const int64_t *ldk
 #endif /* VEC_PATH */
 
 /* Returns 0, 1 (scratch allocation failed) or 2 (bad shape or ranges: a range outside its
- * run, or a query reading no key). bq, bk, force_scalar as kvmesh_prefill_attention_f32. */
+ * run, or a query reading no key). bq, force_scalar as kvmesh_prefill_attention_f32; bk
+ * (0: 64 keys, not the causal kernel's 256: the runs kernel was not re-tuned). */
 int kvmesh_prefill_attention_runs_f32(const float *q, const float *ka, const float *va,
                                       int64_t la, const float *kb, const float *vb, int64_t lb,
                                       const int64_t *ranges, float *out, int64_t n, int64_t Hq,

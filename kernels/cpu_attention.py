@@ -322,7 +322,10 @@ def _token_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
 def _prefill_out(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     """Where a prefill kernel writes: ``out`` itself when it is contiguous, else a buffer
     copied into it after (``_prefill_done``)."""
-    o = out if out is not None and out.is_contiguous() else torch.empty(q.shape)
+    if out is not None and out.is_contiguous():
+        o = out
+    else:
+        o = torch.empty(q.shape, dtype=torch.float32)
     if o.shape != q.shape or o.dtype != torch.float32:
         raise ValueError(f"out must be float32 {tuple(q.shape)}, got {o.dtype} {tuple(o.shape)}")
     return o

@@ -39,6 +39,8 @@ def _qkv(n, ctx, Hq, Hkv, D, seed=0, mult=1.0):
 SHAPES = [  # (n, ctx, Hq, Hkv, D)
     (37, 37, 9, 3, 64),  # odd length, G = 3 (SmolLM2's heads)
     (129, 129, 9, 3, 64),  # one past a block
+    (600, 600, 9, 3, 64),  # past two of the default 256-key blocks
+    (300, 700, 8, 2, 128),  # G = 4, D = 128, ctx > n, over several 256-key blocks
     (100, 165, 9, 3, 64),  # a later chunk: 65 cached keys
     (64, 64, 4, 4, 128),  # G = 1, D = 128
     (83, 90, 6, 2, 128),  # G = 3, D = 128, ctx > n

@@ -100,7 +100,8 @@ def exact_own_pages(
     the step's write, which may reuse the ring's pages), then the chunk's tokens
     ``k/v[start:start + q_len]`` (V as stored: rotated where the format rotates it), zeros
     after ``context_len``. On CPU, a chunk that is all of them (nothing from the ring, whole
-    pages) gets views of k and v themselves, not copies (the C kernels and SDPA read views)."""
+    pages) gets views of k and v themselves, not a copy into a new pair (the runs kernel's
+    wrapper still makes K contiguous; V, rotated into its own tensor, is read in place)."""
     bs = block_size
     _, e0, lx = own_page_geometry(span, bs)
     head = span.context_len - span.q_len - e0  # earlier tokens, in the ring
@@ -108,7 +109,7 @@ def exact_own_pages(
     if head and span.request_slot < 0:
         raise AssertionError("a chunk reading earlier exact pages has no residual slot")
     if not head and lx == n and k.dtype == residual_k.dtype and k.device.type == "cpu":
-        return k[s : s + n], v[s : s + n]  # a fresh chunk of whole pages: views, no copy
+        return k[s : s + n], v[s : s + n]  # a fresh chunk of whole pages: views
     ring = [
         residual_page(span.request_slot, j, span.residual_pages)
         for j in range(e0 // bs, -(-(e0 + head) // bs))
