@@ -186,27 +186,34 @@ class TorchAttentionBackend(AttentionBackend):
             return False
         return self._fresh_in_c(native, None, q, n, Hkv)
 
-    def _write_in_c(self, cache: LayerCache, k, v, v_rotation: int | None) -> None:
-        """``cpu_quant.write_kv_cache_cpu``, with the layer's writer and the step's indices
-        checked once (kernels.cpu_quant.LayerWriter): the same C call."""
-        from kvmesh.kernels.cpu_quant import LayerWriter, WriteIndices
-
-        got = self._writers.get(id(cache))
+    def _layer_obj(self, key, cache: LayerCache, factory):
+        """``factory`` (a ``LayerWriter`` or ``QuantLayerDecoder``) over ``cache``'s tensors,
+        made and checked once per layer cache and kept under ``key`` while they stay the
+        same tensors."""
+        got = self._writers.get(key)
         held = (cache, cache.views, cache.residual_k, cache.residual_v)
         if got is None or any(a is not b for a, b in zip(got, held)):
-            writer = LayerWriter(
+            obj = factory(
                 fmt=cache.cache_format,
                 cache=cache.views,
                 residual_k=cache.residual_k,
                 residual_v=cache.residual_v,
             )
-            got = self._writers[id(cache)] = (*held, writer)
+            got = self._writers[key] = (*held, obj)
+        return got[4]
+
+    def _write_in_c(self, cache: LayerCache, k, v, v_rotation: int | None) -> None:
+        """``cpu_quant.write_kv_cache_cpu``, with the layer's writer and the step's indices
+        checked once (kernels.cpu_quant.LayerWriter): the same C call."""
+        from kvmesh.kernels.cpu_quant import LayerWriter, WriteIndices
+
+        writer = self._layer_obj(id(cache), cache, LayerWriter)
         if self._write_idx is None:
             m = self._meta
             self._write_idx = WriteIndices(
                 m.residual_slots, m.complete_pages, m.complete_src, m.block_size
             )
-        got[4].write(k, v, self._write_idx, v_rotation)
+        writer.write(k, v, self._write_idx, v_rotation)
 
     def _decode_quant_in_c(self, cache: LayerCache, q, scale, out, rotation) -> None:
         """``cpu_attention.paged_decode_attention_cpu`` over quantized pages, with the layer's
@@ -214,17 +221,7 @@ class TorchAttentionBackend(AttentionBackend):
         the same C call."""
         from kvmesh.kernels.cpu_attention import DecodeIndices, QuantLayerDecoder
 
-        key = ("decode", id(cache))
-        got = self._writers.get(key)
-        held = (cache, cache.views, cache.residual_k, cache.residual_v)
-        if got is None or any(a is not b for a, b in zip(got, held)):
-            dec = QuantLayerDecoder(
-                fmt=cache.cache_format,
-                cache=cache.views,
-                residual_k=cache.residual_k,
-                residual_v=cache.residual_v,
-            )
-            got = self._writers[key] = (*held, dec)
+        dec = self._layer_obj(("decode", id(cache)), cache, QuantLayerDecoder)
         if self._decode_idx is None:
             m = self._meta
             self._decode_idx = DecodeIndices(
@@ -234,7 +231,7 @@ class TorchAttentionBackend(AttentionBackend):
                 bs=m.block_size,
                 num_slots=cache.residual_k.shape[0],
             )
-        got[4].decode(q, self._decode_idx, scale, self.sliding_window, out, rotation)
+        dec.decode(q, self._decode_idx, scale, self.sliding_window, out, rotation)
 
     def forward(self, q, k, v, cache: LayerCache, scale):
         meta = self._meta
