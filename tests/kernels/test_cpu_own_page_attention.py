@@ -58,6 +58,7 @@ SPANS = [  # (q_len, context_len, W, ring_from)
     (90, 250, 2, 10),  # a restored prefix: pages before 10 read quantized
     (37, 219, 3, 11),  # restored, the window cut at ring_from, mid-page start
     (5, 21, 2, 0),  # a short chunk
+    (256, 1000, 2, 0),  # a late chunk: run A over several 256-key blocks
 ]
 
 

@@ -1,0 +1,100 @@
+"""The own-page prefill kernel's key block size on an int4 engine's real chunks (issue 21).
+Prints one JSON object.
+
+    .venv/bin/python bench/own_page_blocks.py [--prompt-tokens 1024] [--blocks 64,128,256]
+        [--rounds 5]
+
+An int4 engine (SmolLM2, prefill chunks of 256 tokens) prefills one prompt of
+``--prompt-tokens``; every call of ``prefill_attention_runs_cpu`` is recorded (its q, both
+runs and the ranges). The first layer's call of each chunk is then replayed with each
+``block_k`` in turn, ``--rounds`` interleaved rounds, and the best round kept (wall ms for
+all chunks, at the process's torch threads). ``max_abs_diff``: the largest difference of
+any block size's output from the first one's (float rounding only: the kernel sums in
+another order).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+from machine import machine_info
+
+import kvmesh.kernels.cpu_attention as cpu_attention
+from kvmesh.worker import LLM, SamplingParams
+
+TEXT = Path(__file__).resolve().parents[1].parent / "shared/data/tinyshakespeare.txt"
+CHUNK = 256
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--prompt-tokens", type=int, default=1024)
+    ap.add_argument("--blocks", default="64,128,256")
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    blocks = [int(b) for b in args.blocks.split(",")]
+    kernel = cpu_attention.prefill_attention_runs_cpu
+    calls: list[tuple] = []
+
+    def record(q, run_a, run_b, ranges, scale, **kw):
+        calls.append((q.clone(), [t.clone() for t in run_a], [t.clone() for t in run_b],
+                      ranges.clone(), scale))  # fmt: skip
+        return kernel(q, run_a, run_b, ranges, scale, **kw)
+
+    cpu_attention.prefill_attention_runs_cpu = record  # own_page_attention imports it per call
+    llm = LLM(
+        "smollm2-135m-instruct",
+        kv_cache_dtype="int4",
+        kv_cache_memory="512MiB",
+        max_num_batched_tokens=CHUNK,
+        enable_prefix_caching=False,
+    )
+    layers = llm.engine.model_config.num_layers
+    calls.clear()  # the engine's start-up warm-up chunks
+    ids = llm.tokenizer.encode(TEXT.read_text()[100_000 : 100_000 + 8 * args.prompt_tokens])
+    if len(ids) < args.prompt_tokens:
+        raise SystemExit(f"the text holds {len(ids)} tokens, {args.prompt_tokens} asked")
+    llm.generate([ids[: args.prompt_tokens]], SamplingParams(max_tokens=1))
+    cpu_attention.prefill_attention_runs_cpu = kernel
+    if not calls:
+        raise SystemExit("the engine made no own-page kernel call (SDPA chosen, or no C kernels)")
+    chunks = calls[::layers]  # each chunk's first layer
+    best = {b: float("inf") for b in blocks}
+    for _ in range(args.rounds):
+        for b in blocks:
+            t0 = time.perf_counter()
+            for q, a, bb, r, s in chunks:
+                kernel(q, a, bb, r, s, block_k=b)
+            best[b] = min(best[b], time.perf_counter() - t0)
+    outs = {b: [kernel(q, a, bb, r, s, block_k=b) for q, a, bb, r, s in chunks] for b in blocks}
+    diff = max(
+        float((x - y).abs().max()) for b in blocks[1:] for x, y in zip(outs[blocks[0]], outs[b])
+    ) if len(blocks) > 1 else 0.0  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "prompt_tokens": args.prompt_tokens,
+                "chunks": [
+                    {"n": q.shape[0], "run_a_keys": a[0].shape[0], "run_b_keys": bb[0].shape[0]}
+                    for q, a, bb, _, _ in chunks
+                ],
+                "threads": torch.get_num_threads(),
+                "rounds": args.rounds,
+                "best_ms": {str(b): round(t * 1e3, 3) for b, t in best.items()},
+                "vs_first": {str(b): round(best[blocks[0]] / t, 3) for b, t in best.items()},
+                "max_abs_diff": diff,
+                "loadavg_1m": os.getloadavg()[0],
+                "machine": machine_info(),
+            },
+            indent=1,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
