@@ -72,6 +72,8 @@ SIGNATURES = {
     # (x, out, rows, D, block, scale, threads)
     "kvmesh_hadamard_f32": [_P, _P, _I, _I, _I, _F, _N],
     "kvmesh_rmsnorm_f32": [_P, _P, _P, _I, _I, _F, _N],
+    # (pool, its pages, page bytes, page ids, payload addresses, n, threads)
+    "kvmesh_copy_pages": [_P, _I, _I, _P, _P, _I, _N],
     "kvmesh_add_rmsnorm_f32": [_P, _P, _P, _P, _I, _I, _F, _N],
     "kvmesh_rotary_f32": [_P, _P, _P, _I, _I, _I, _I, _N],
     "kvmesh_silu_mul_f32": [_P, _P, _I, _I, _N],

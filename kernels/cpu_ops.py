@@ -7,10 +7,15 @@ wrappers check both and say what is wrong. ``kernels.cpu_native`` builds the lib
 
 Numerics: rotary is bit-equal to its twin (same products and sum, no FMA contraction);
 RMSNorm and SiLU differ from torch's vectorised reductions and exp by float rounding only.
+
+Also the copy of restored page payloads into the pool (``copy_pages_cpu``), byte for byte.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -152,3 +157,45 @@ def silu_mul_cpu(gate_up: torch.Tensor, *, library: CpuLibrary | None = None) ->
     out = torch.empty((T, W // 2), dtype=torch.float32)
     _run(_lib(library), "kvmesh_silu_mul_f32", gate_up.data_ptr(), out.data_ptr(), T, W // 2)
     return out
+
+
+# ------------------------------------------------------------------------- page copies
+
+
+def copy_pages_cpu(
+    pool: torch.Tensor,
+    ids: Sequence[int],
+    payloads: Sequence,
+    *,
+    library: CpuLibrary | None = None,
+    num_threads: int = 1,
+) -> None:
+    """Copy ``payloads[i]`` (bytes-like, one page each, any alignment: e.g. views of stored
+    objects past their header) into row ``ids[i]`` of ``pool`` ((pages, page_nbytes) uint8,
+    contiguous, CPU) in C, with streaming stores where the build has them
+    (``kvmesh_copy_pages``): the same bytes as ``pool[ids[i]] = payloads[i]``.
+    ``num_threads``: threads splitting the pages (1: the calling thread only)."""
+    if pool.dtype != torch.uint8 or pool.dim() != 2 or pool.device.type != "cpu":
+        raise ValueError(
+            f"pool must be a 2-d uint8 CPU tensor, got {pool.dtype} {tuple(pool.shape)} "
+            f"on {pool.device}"
+        )
+    if not pool.is_contiguous():
+        raise ValueError(f"pool must be contiguous, got strides {pool.stride()}")
+    if len(ids) != len(payloads):
+        raise ValueError(f"{len(ids)} page ids for {len(payloads)} payloads")
+    num_pages, nbytes = pool.shape
+    views = [np.frombuffer(p, dtype=np.uint8) for p in payloads]  # zero-copy, keeps them alive
+    bad = [v.nbytes for v in views if v.nbytes != nbytes]
+    if bad:
+        raise ValueError(f"a payload is {bad[0]} bytes, pages are {nbytes}")
+    if not views:
+        return
+    idx = np.asarray(ids, dtype=np.int64)
+    if idx.min() < 0 or idx.max() >= num_pages:
+        raise ValueError(f"page ids must lie in [0, {num_pages}), got {idx.min()}..{idx.max()}")
+    srcs = np.array([v.ctypes.data for v in views], dtype=np.uint64)
+    fn = _lib(library).fn("kvmesh_copy_pages")
+    if fn(pool.data_ptr(), num_pages, nbytes, idx.ctypes.data, srcs.ctypes.data, len(views),
+          max(1, int(num_threads))):  # fmt: skip
+        raise CpuKernelError("kvmesh_copy_pages rejected its arguments")

@@ -230,11 +230,15 @@ def write_pages(buf: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> Non
     wide_buf.index_copy_(0, ids.to(buf.device), wide_rows)
 
 
-def write_page_buffers(buf: torch.Tensor, ids: Sequence[int], payloads: Sequence) -> None:
+def write_page_buffers(
+    buf: torch.Tensor, ids: Sequence[int], payloads: Sequence, *, library=None
+) -> None:
     """Copy each of ``payloads`` (bytes-like, ``page_nbytes`` each; e.g. views of stored
     objects) into pool page ``ids[i]``: one copy per page on the CPU, straight from the
-    object, with no staging array between (a fresh one is filled at page-fault speed). On
-    CUDA they are gathered into pinned memory first, then moved in one copy."""
+    object, with no staging array between (a fresh one is filled at page-fault speed); with
+    ``library`` (kvmesh's C kernels, ``kernels.cpu_native``) by its streaming copy
+    (``cpu_ops.copy_pages_cpu``: the same bytes, fewer through memory). On CUDA they are
+    gathered into pinned memory first, then moved in one copy."""
     if len(ids) != len(payloads):
         raise ValueError(f"{len(ids)} page ids for {len(payloads)} payloads")
     nbytes = buf.shape[1]
@@ -242,6 +246,11 @@ def write_page_buffers(buf: torch.Tensor, ids: Sequence[int], payloads: Sequence
     if bad:
         raise ValueError(f"a payload is {bad[0]} bytes, pages are {nbytes}")
     if not payloads:
+        return
+    if buf.device.type == "cpu" and library is not None:
+        from kvmesh.kernels.cpu_ops import copy_pages_cpu
+
+        copy_pages_cpu(buf, ids, payloads, library=library)
         return
     if buf.device.type == "cpu":
         pool = buf.numpy()
