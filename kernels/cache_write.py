@@ -26,6 +26,7 @@ from kvmesh.kernels.paged_kv import (
     FMT_INT4,
     check_cache,
     check_index,
+    check_new_kv,
     fmt_code,
     kv_args,
 )
@@ -53,12 +54,7 @@ def _check_write_args(
     complete_src,
 ) -> tuple[int, int, int]:
     bs, H, D = check_cache(fmt, cache, residual_k, residual_v)
-    if k.shape != v.shape or k.dim() != 3 or tuple(k.shape[1:]) != (H, D):
-        raise ValueError(f"k, v must be (T, {H}, {D}), got {tuple(k.shape)}, {tuple(v.shape)}")
-    if not k.is_floating_point() or k.dtype != v.dtype:
-        raise ValueError(f"k, v must share a float dtype, got {k.dtype}, {v.dtype}")
-    if k.stride(-1) != 1 or v.stride(-1) != 1:
-        raise ValueError(f"k, v need a unit innermost stride, got {k.stride()}, {v.stride()}")
+    check_new_kv(k, v, H, D)
     T = k.shape[0]
     if fmt in FLOAT_FORMATS:
         check_index(slot_mapping, "slot_mapping", (T,))

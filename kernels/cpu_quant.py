@@ -18,7 +18,7 @@ import torch
 
 from kvmesh.kernels.cpu_native import CpuKernelError, CpuLibrary, default_library
 from kvmesh.kernels.page_format import QUANT_FORMATS
-from kvmesh.kernels.paged_kv import check_cache, check_index
+from kvmesh.kernels.paged_kv import check_cache, check_index, check_new_kv
 
 _CODES = {"fp8": 1, "int8": 2, "int4": 3}
 _VIEWS = ("k", "k_scale", "k_zero", "v", "v_scale", "v_zero")
@@ -119,13 +119,8 @@ class LayerWriter:
         v_rotation: int | None = None,
     ) -> None:
         """Store the step's k, v (T, H, D) as ``write_kv_cache_cpu`` does."""
-        H, D = self.H, self.D
-        if k.shape != v.shape or k.dim() != 3 or tuple(k.shape[1:]) != (H, D):
-            raise ValueError(f"k, v must be (T, {H}, {D}), got {tuple(k.shape)}, {tuple(v.shape)}")
-        if not k.is_floating_point() or k.dtype != v.dtype:
-            raise ValueError(f"k, v must share a float dtype, got {k.dtype}, {v.dtype}")
-        if k.stride(-1) != 1 or v.stride(-1) != 1:
-            raise ValueError(f"k, v need a unit innermost stride, got {k.stride()}, {v.stride()}")
+        D = self.D
+        check_new_kv(k, v, self.H, D)
         T, n = k.shape[0], idx.pages.shape[0]
         if idx.rows.shape[0] != T or idx.block_size != self.bs:
             raise ValueError(

@@ -84,6 +84,17 @@ def check_cache(
     return bs, H, D
 
 
+def check_new_kv(k: torch.Tensor, v: torch.Tensor, H: int, D: int) -> None:
+    """Raise unless k, v are a step's new keys and values for a cache of H heads of size D:
+    (T, H, D) each, one float dtype, unit innermost stride (the writers read rows in place)."""
+    if k.shape != v.shape or k.dim() != 3 or tuple(k.shape[1:]) != (H, D):
+        raise ValueError(f"k, v must be (T, {H}, {D}), got {tuple(k.shape)}, {tuple(v.shape)}")
+    if not k.is_floating_point() or k.dtype != v.dtype:
+        raise ValueError(f"k, v must share a float dtype, got {k.dtype}, {v.dtype}")
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError(f"k, v need a unit innermost stride, got {k.stride()}, {v.stride()}")
+
+
 def check_index(
     t: torch.Tensor | None,
     name: str,

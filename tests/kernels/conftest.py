@@ -19,7 +19,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 
 import pytest  # noqa: E402  (after TRITON_INTERPRET is set)
-from builds import host_builds, native_vector_bits  # noqa: E402
+from builds import avx512_no_dq_builds, host_builds, native_vector_bits  # noqa: E402
 
 from kvmesh.kernels import cpu_native  # noqa: E402
 from kvmesh.worker import envs  # noqa: E402
@@ -27,17 +27,20 @@ from kvmesh.worker import envs  # noqa: E402
 
 @pytest.fixture(scope="module")
 def libraries(tmp_path_factory):
-    """Every C kernel build this host runs (tests/kernels/builds.py). No compiler is a
-    failure that says how to install one, not a skip. The native build must vectorise where
-    the CPU has AVX2 (+FMA, F16C) or AVX-512."""
+    """Every C kernel build this host runs (tests/kernels/builds.py), AVX-512 without DQ
+    included where the CPU has AVX-512F. No compiler is a failure that says how to install
+    one, not a skip. The native build must vectorise where the CPU has AVX2 (+FMA, F16C) or
+    AVX-512."""
     d = tmp_path_factory.getbasetemp() / "cpu-kernels"  # one build per flag set per session
     cc = envs.c_compiler()
     builds = {
         name: cpu_native.CpuLibrary(cpu_native.compile_library(build_dir=d, cc=cc, flags=f))
-        for name, f in host_builds().items()
+        for name, f in {**host_builds(), **avx512_no_dq_builds()}.items()
     }
     assert builds["native"].vector_bits == native_vector_bits()
     if "avx2" in builds:
         assert builds["avx2"].vector_bits == 256
+    if "avx512-nodq" in builds:
+        assert builds["avx512-nodq"].vector_bits == 512
     assert builds["portable"].vector_bits == 0
     return builds

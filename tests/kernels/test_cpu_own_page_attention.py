@@ -1,15 +1,16 @@
 """The C prefill kernel over two runs of keys (``kvmesh_prefill_attention_runs_f32``), the
 own-page view of a chunk over a quantized cache, against its twin: ``own_page_mask`` + SDPA
 over ``cat(quantized run, exact run)`` in float64. Every build this host runs (native, AVX2
-where the CPU has it, portable) and the scalar loop forced on the native build; W = 1, 2, 3,
-a restored prefix (``ring_from`` > 0), chunks that start mid-page, a fresh chunk, a sliding
-window, G = 1, 3, 4 and 8 (MQA too), D = 32, 64, 80, 96 and 128, block sizes that cut
-pages. Bound: 2e-5 absolute on unit-normal inputs, as the causal kernel's tests."""
+where the CPU has it, AVX-512 without DQ where it has AVX-512F, portable) and the scalar
+loop forced on the native build; W = 1, 2, 3, a restored prefix (``ring_from`` > 0), chunks
+that start mid-page, a fresh chunk, a sliding window, G = 1, 3, 4 and 8 (MQA too), D = 32,
+64, 80, 96 and 128, block sizes that cut pages. Bound: 2e-5 absolute on unit-normal
+inputs, as the causal kernel's tests."""
 
 import pytest
 import torch
 import torch.nn.functional as F
-from builds import host_builds
+from builds import avx512_no_dq_builds, host_builds
 
 from kvmesh.kernels.cpu_attention import prefill_attention_runs_cpu
 from kvmesh.worker.attention.base import PrefillSpan
@@ -17,7 +18,7 @@ from kvmesh.worker.attention.own_page import own_page_geometry, own_page_mask, o
 
 ATOL = 2e-5
 BS = 16
-BUILDS = list(host_builds())
+BUILDS = [*host_builds(), *avx512_no_dq_builds()]
 
 
 def _span(q_len: int, ctx: int, W: int, ring_from: int = 0) -> PrefillSpan:

@@ -1,6 +1,7 @@
 """The C causal prefill kernel (``kvmesh_prefill_attention_f32`` in kernels/cpu_attention.c)
 against its torch twin, SDPA, computed in float64: every build this host runs (native,
-AVX2 where the CPU has it, portable), odd lengths, later chunks (ctx > n), G = 1, 3 and 8,
+AVX2 where the CPU has it, AVX-512 without DQ where it has AVX-512F: exp2's fallback,
+portable), odd lengths, later chunks (ctx > n), G = 1, 3 and 8,
 D = 64 and 128, block sizes that do not divide the lengths, and the scalar loop forced on a
 vector build. Bound: 2e-5 absolute on unit-normal inputs (measured ~1.3e-6); with scores
 of ~+-100 (q x 30) twice SDPA's own fp32 error, as fp32 rounding of the scores then
@@ -9,12 +10,12 @@ dominates."""
 import pytest
 import torch
 import torch.nn.functional as F
-from builds import host_builds
+from builds import avx512_no_dq_builds, host_builds
 
 from kvmesh.kernels.cpu_attention import prefill_attention_cpu
 
 ATOL = 2e-5
-BUILDS = list(host_builds())
+BUILDS = [*host_builds(), *avx512_no_dq_builds()]
 
 
 def sdpa_twin(q, k, v, scale):

@@ -228,3 +228,34 @@ def test_one_layer_writer_over_many_steps_is_the_torch_writer(lib):
     with pytest.raises(ValueError, match=r"residual_slots must have shape \(2,\)"):
         writer.write(kw["k"][:2], kw["v"][:2], idx)
     assert torch.equal(sims[1].buf, before)
+
+
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (lambda k, v: (k[:, :1], v[:, :1]), r"k, v must be \(T, 2, 32\)"),  # a head short
+        (lambda k, v: (k, v[:-1]), r"k, v must be \(T, 2, 32\)"),  # unequal token counts
+        (lambda k, v: (k, v.double()), "k, v must share a float dtype"),
+        (lambda k, v: (k.int(), v.int()), "k, v must share a float dtype"),
+        (lambda k, v: (k.transpose(1, 2).contiguous().transpose(1, 2), v), "unit innermost"),
+    ],
+    ids=["heads", "tokens", "dtypes", "integer", "stride"],
+)
+def test_both_writers_refuse_the_same_k_v_alike(lib, bad, match):
+    """The torch writer and the C layer writer check a step's k, v with one function
+    (``paged_kv.check_new_kv``): the same refusal, before anything is written."""
+    sim = KVSim("int8", H=2, D=32, seed=2, num_reqs=2)
+    kw = sim.step([3, 20])
+    kw.pop("slot_mapping")
+    kw["k"], kw["v"] = bad(kw["k"], kw["v"])
+    before = sim.buf.clone(), sim.residual.clone()
+    with pytest.raises(ValueError, match=match):
+        write_kv_cache_torch(**kw)
+    writer = cpu_quant.LayerWriter(
+        fmt="int8", cache=kw["cache"], residual_k=kw["residual_k"],
+        residual_v=kw["residual_v"], library=lib,
+    )  # fmt: skip
+    idx = cpu_quant.WriteIndices(kw["residual_slots"], kw["complete_pages"], kw["complete_src"], 16)
+    with pytest.raises(ValueError, match=match):
+        writer.write(kw["k"], kw["v"], idx)
+    assert torch.equal(sim.buf, before[0]) and torch.equal(sim.residual, before[1])

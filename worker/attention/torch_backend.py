@@ -23,6 +23,9 @@ compiler), one warning is logged and the torch path runs (``worker.cpu_kernels``
 
 from __future__ import annotations
 
+import weakref
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 
@@ -50,9 +53,10 @@ class TorchAttentionBackend(AttentionBackend):
         self._native = None
         self._prefill_tuner = None  # fresh causal prefill: SDPA or C, measured (prefill_tune)
         self._hadamard = hadamard_transform  # int4's V rotation (kernels.quant)
-        # quantized writes in C: a checked writer per layer cache (id -> (cache, its views,
-        # residual K and V, the writer): a cache seen again with other tensors gets a new one),
-        # and the step's indices checked once for every layer (built on first use)
+        # quantized writes in C: a checked writer per layer cache (id -> (weak reference to
+        # the cache, its views, residual K and V, the writer): a cache seen again with other
+        # tensors gets a new one, a dead cache's entry is dropped), and the step's indices
+        # checked once for every layer (built on first use)
         self._writers: dict = {}  # and ("decode", id) -> (..., the layer's C decoder)
         self._write_idx = self._decode_idx = None
         if native:
@@ -188,18 +192,26 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _layer_obj(self, key, cache: LayerCache, factory):
         """``factory`` (a ``LayerWriter`` or ``QuantLayerDecoder``) over ``cache``'s tensors,
-        made and checked once per layer cache and kept under ``key`` while they stay the
-        same tensors."""
+        made and checked once per layer cache and kept under ``key`` while the cache lives
+        and holds the same tensors. The entry holds the tensors (the decoder keeps only their
+        addresses) but only a weak reference to the cache: when the engine drops a cache (a
+        rebuilt pool) its entry goes, and with it the backend's hold on the tensors."""
         got = self._writers.get(key)
-        held = (cache, cache.views, cache.residual_k, cache.residual_v)
-        if got is None or any(a is not b for a, b in zip(got, held)):
+        if (
+            got is None
+            or got[0]() is not cache  # a new cache under a dead one's id
+            or got[1] is not cache.views
+            or got[2] is not cache.residual_k
+            or got[3] is not cache.residual_v
+        ):
             obj = factory(
                 fmt=cache.cache_format,
                 cache=cache.views,
                 residual_k=cache.residual_k,
                 residual_v=cache.residual_v,
             )
-            got = self._writers[key] = (*held, obj)
+            ref = weakref.ref(cache, partial(_forget_layer_obj, self._writers, key))
+            got = self._writers[key] = (ref, cache.views, cache.residual_k, cache.residual_v, obj)
         return got[4]
 
     def _write_in_c(self, cache: LayerCache, k, v, v_rotation: int | None) -> None:
@@ -353,3 +365,11 @@ class TorchAttentionBackend(AttentionBackend):
             )
             out[s : s + n] = o[0].transpose(0, 1)
         return out if rot is None or fused else self._hadamard(out, rot)
+
+
+def _forget_layer_obj(objs: dict, key, ref: weakref.ref) -> None:
+    """The weak reference's callback when a layer cache dies: drop its entry (unless the key
+    already holds a newer one)."""
+    got = objs.get(key)
+    if got is not None and got[0] is ref:
+        del objs[key]
