@@ -2,7 +2,7 @@
 Prints one JSON object.
 
     .venv/bin/python bench/own_page_blocks.py [--prompt-tokens 1024] [--blocks 64,128,256]
-        [--rounds 5]
+        [--rounds 5] [--threads N]
 
 An int4 engine (SmolLM2, prefill chunks of 256 tokens) prefills one prompt of
 ``--prompt-tokens``; every call of ``prefill_attention_runs_cpu`` is recorded (its q, both
@@ -36,7 +36,10 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=1024)
     ap.add_argument("--blocks", default="64,128,256")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (its default)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     blocks = [int(b) for b in args.blocks.split(",")]
     kernel = cpu_attention.prefill_attention_runs_cpu
     calls: list[tuple] = []

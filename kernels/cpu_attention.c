@@ -1788,7 +1788,7 @@ static void pr_block(const float *q, const float *const *ktr, const int64_t *ldk
 
 /* Returns 0, 1 (scratch allocation failed) or 2 (bad shape or ranges: a range outside its
  * run, or a query reading no key). bq, force_scalar as kvmesh_prefill_attention_f32; bk
- * (<= 0: 256 keys, as the causal kernel; 1.03-1.09x faster than 64 on an int4 engine's own
+ * (<= 0: 256 keys, as the causal kernel; 1.05-1.12x faster than 64 on an int4 engine's own
  * chunks of a 1,024-token prompt, bench/README.md). */
 int kvmesh_prefill_attention_runs_f32(const float *q, const float *ka, const float *va,
                                       int64_t la, const float *kb, const float *vb, int64_t lb,

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh.kernels.cpu_native import CpuKernelError, CpuLibrary, default_library
+from kvmesh.kernels.page_format import check_page_buffers
 
 # ---------------------------------------------------------------------------------- twins
 
@@ -173,8 +174,9 @@ def copy_pages_cpu(
     """Copy ``payloads[i]`` (bytes-like, one page each, any alignment: e.g. views of stored
     objects past their header) into row ``ids[i]`` of ``pool`` ((pages, page_nbytes) uint8,
     contiguous, CPU) in C, with streaming stores where the build has them
-    (``kvmesh_copy_pages``): the same bytes as ``pool[ids[i]] = payloads[i]``.
-    ``num_threads``: threads splitting the pages (1: the calling thread only)."""
+    (``kvmesh_copy_pages``): the same bytes as ``pool[ids[i]] = payloads[i]``. Checked
+    first (``page_format.check_page_buffers``): a bad call writes nothing. ``num_threads``:
+    threads splitting the pages (1: the calling thread only; more need distinct ids)."""
     if pool.dtype != torch.uint8 or pool.dim() != 2 or pool.device.type != "cpu":
         raise ValueError(
             f"pool must be a 2-d uint8 CPU tensor, got {pool.dtype} {tuple(pool.shape)} "
@@ -182,19 +184,21 @@ def copy_pages_cpu(
         )
     if not pool.is_contiguous():
         raise ValueError(f"pool must be contiguous, got strides {pool.stride()}")
-    if len(ids) != len(payloads):
-        raise ValueError(f"{len(ids)} page ids for {len(payloads)} payloads")
-    num_pages, nbytes = pool.shape
-    views = [np.frombuffer(p, dtype=np.uint8) for p in payloads]  # zero-copy, keeps them alive
-    bad = [v.nbytes for v in views if v.nbytes != nbytes]
-    if bad:
-        raise ValueError(f"a payload is {bad[0]} bytes, pages are {nbytes}")
+    views = check_page_buffers(pool, ids, payloads)
+    if num_threads > 1 and len({int(i) for i in ids}) != len(ids):
+        raise ValueError("page ids must be distinct when the copy is split over threads")
+    copy_page_views(pool, ids, views, library=library, num_threads=num_threads)
+
+
+def copy_page_views(pool, ids, views, *, library=None, num_threads: int = 1) -> None:
+    """``copy_pages_cpu`` after its checks: ``views`` are the payloads as uint8 arrays
+    (``check_page_buffers``' result), ``pool`` a contiguous (pages, page_nbytes) uint8 CPU
+    tensor."""
     if not views:
         return
-    idx = np.asarray(ids, dtype=np.int64)
-    if idx.min() < 0 or idx.max() >= num_pages:
-        raise ValueError(f"page ids must lie in [0, {num_pages}), got {idx.min()}..{idx.max()}")
+    idx = np.asarray([int(i) for i in ids], dtype=np.int64)
     srcs = np.array([v.ctypes.data for v in views], dtype=np.uint64)
+    num_pages, nbytes = pool.shape
     fn = _lib(library).fn("kvmesh_copy_pages")
     if fn(pool.data_ptr(), num_pages, nbytes, idx.ctypes.data, srcs.ctypes.data, len(views),
           max(1, int(num_threads))):  # fmt: skip

@@ -230,6 +230,23 @@ def write_pages(buf: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> Non
     wide_buf.index_copy_(0, ids.to(buf.device), wide_rows)
 
 
+def check_page_buffers(buf: torch.Tensor, ids: Sequence[int], payloads: Sequence) -> list:
+    """Raise unless ``payloads`` (bytes-like) can be written into pages ``ids`` of ``buf``
+    ((pages, page_nbytes) uint8): one id per payload, each id a page of ``buf``, each
+    payload ``page_nbytes`` long. Returns the payloads as uint8 numpy arrays (views, no copy)."""
+    if len(ids) != len(payloads):
+        raise ValueError(f"{len(ids)} page ids for {len(payloads)} payloads")
+    num_pages, nbytes = buf.shape
+    views = [np.frombuffer(p, dtype=np.uint8) for p in payloads]
+    bad = [v.nbytes for v in views if v.nbytes != nbytes]
+    if bad:
+        raise ValueError(f"a payload is {bad[0]} bytes, pages are {nbytes}")
+    outside = [int(i) for i in ids if not 0 <= int(i) < num_pages]
+    if outside:
+        raise ValueError(f"page ids must lie in [0, {num_pages}), got {outside[0]}")
+    return views
+
+
 def write_page_buffers(
     buf: torch.Tensor, ids: Sequence[int], payloads: Sequence, *, library=None
 ) -> None:
@@ -238,28 +255,25 @@ def write_page_buffers(
     object, with no staging array between (a fresh one is filled at page-fault speed); with
     ``library`` (kvmesh's C kernels, ``kernels.cpu_native``) by its streaming copy
     (``cpu_ops.copy_pages_cpu``: the same bytes, fewer through memory). On CUDA they are
-    gathered into pinned memory first, then moved in one copy."""
-    if len(ids) != len(payloads):
-        raise ValueError(f"{len(ids)} page ids for {len(payloads)} payloads")
-    nbytes = buf.shape[1]
-    bad = [n for p in payloads if (n := memoryview(p).nbytes) != nbytes]
-    if bad:
-        raise ValueError(f"a payload is {bad[0]} bytes, pages are {nbytes}")
-    if not payloads:
+    gathered into pinned memory first, then moved in one copy. Checked first
+    (``check_page_buffers``): a bad call writes nothing."""
+    views = check_page_buffers(buf, ids, payloads)
+    if not views:
         return
+    nbytes = buf.shape[1]
     if buf.device.type == "cpu" and library is not None:
-        from kvmesh.kernels.cpu_ops import copy_pages_cpu
+        from kvmesh.kernels.cpu_ops import copy_page_views
 
-        copy_pages_cpu(buf, ids, payloads, library=library)
+        copy_page_views(buf, ids, views, library=library)
         return
     if buf.device.type == "cpu":
         pool = buf.numpy()
-        for i, p in zip(ids, payloads):
-            pool[i] = np.frombuffer(p, dtype=np.uint8)
+        for i, v in zip(ids, views):
+            pool[i] = v
         return
-    staged = torch.empty((len(payloads), nbytes), dtype=torch.uint8, pin_memory=True)
+    staged = torch.empty((len(views), nbytes), dtype=torch.uint8, pin_memory=True)
     rows = staged.numpy()
-    for j, p in enumerate(payloads):
-        rows[j] = np.frombuffer(p, dtype=np.uint8)
+    for j, v in enumerate(views):
+        rows[j] = v
     idx = torch.tensor(list(ids), dtype=torch.int64)
     write_pages(buf, idx, staged.to(buf.device, non_blocking=True))

@@ -48,7 +48,13 @@ class KVMemory:
         self.model_fp = model_fp
         self.num_pages = num_pages
         self.buffer = layout.allocate(num_pages, device)  # (num_pages, page_nbytes)
-        self._copy_library = False  # write's C library: looked up on first use (None: numpy)
+        # write's C library (kernels built at engine start, not on the first restore's
+        # thread; None: numpy's copy)
+        self._copy_library = None
+        if self.buffer.device.type == "cpu":
+            from kvmesh.worker import cpu_kernels
+
+            self._copy_library = cpu_kernels.load()
         self.num_residual_slots = n_slots = num_residual_slots if layout.quantized else 0
         self.residual_pages = residual_pages
         shape = layout.residual_shape(n_slots * residual_pages)
@@ -134,12 +140,6 @@ class KVMemory:
     def write(self, page_ids: Sequence[int], payloads: Sequence) -> None:
         """Copy page payloads (bytes-like, page_nbytes each) into these pages (on the CPU by
         the C kernels' streaming copy where they are built, ``worker.cpu_kernels``)."""
-        if self._copy_library is False:  # not looked up yet
-            self._copy_library = None
-            if self.buffer.device.type == "cpu":
-                from kvmesh.worker import cpu_kernels
-
-                self._copy_library = cpu_kernels.load()
         write_page_buffers(self.buffer, list(page_ids), payloads, library=self._copy_library)
 
 

@@ -80,14 +80,50 @@ def test_bad_arguments_are_named(libraries):
     copy_pages_cpu(pool, [], [], library=lib)  # nothing to do
 
 
-def test_write_page_buffers_takes_the_library(libraries):
-    """``write_page_buffers`` with a library gives the bytes it gives without one."""
+def test_write_page_buffers_copies_in_c_with_a_library(libraries, monkeypatch):
+    """``write_page_buffers`` with a library copies through it, without one through numpy,
+    with the same bytes."""
+    import kvmesh.kernels.cpu_ops as cpu_ops
+
+    calls = []
+    real = cpu_ops.copy_page_views
+
+    def spy(*a, **k):
+        calls.append(len(a[2]))
+        return real(*a, **k)
+
+    monkeypatch.setattr(cpu_ops, "copy_page_views", spy)
     pool = torch.randint(0, 256, (6, 1000), dtype=torch.uint8)
     plain = pool.clone()
     ids, payloads = [3, 1, 4], _payloads(3, 1000, seed=1)
     write_page_buffers(pool, ids, payloads, library=libraries["native"])
+    assert calls == [3]
     write_page_buffers(plain, ids, payloads)
+    assert calls == [3]
     assert torch.equal(pool, plain)
+
+
+@pytest.mark.parametrize("library", [True, False])
+def test_write_page_buffers_refuses_bad_ids_on_either_path(libraries, library):
+    """A page id outside the pool is refused before anything is written, with the C copy
+    and with numpy's (which would take -1 as the last page)."""
+    pool = torch.zeros(4, 64, dtype=torch.uint8)
+    lib = libraries["native"] if library else None
+    for bad in ([-1], [1, 4]):
+        with pytest.raises(ValueError, match=r"page ids must lie in \[0, 4\)"):
+            write_page_buffers(pool, bad, _payloads(len(bad), 64, 0), library=lib)
+    assert not pool.any()
+
+
+def test_a_split_copy_needs_distinct_ids_and_a_dense_pool(libraries):
+    lib = libraries["native"]
+    pool = torch.zeros(4, 64, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="distinct"):
+        copy_pages_cpu(pool, [1, 1], _payloads(2, 64, 0), library=lib, num_threads=2)
+    wide = torch.zeros(4, 128, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="contiguous"):
+        copy_pages_cpu(wide[:, ::2], [1], _payloads(1, 64, 0), library=lib)
+    assert not pool.any() and not wide.any()
 
 
 def test_kv_memory_write_copies_in_c(monkeypatch):
@@ -98,13 +134,13 @@ def test_kv_memory_write_copies_in_c(monkeypatch):
     from kvmesh.worker.kv_memory import KVMemory
 
     calls = []
-    real = cpu_ops.copy_pages_cpu
+    real = cpu_ops.copy_page_views
 
     def spy(*a, **k):
-        calls.append(len(a[1]))
+        calls.append(len(a[2]))
         return real(*a, **k)
 
-    monkeypatch.setattr(cpu_ops, "copy_pages_cpu", spy)
+    monkeypatch.setattr(cpu_ops, "copy_page_views", spy)
     layout = PageLayout("fp32", num_layers=2, num_kv_heads=1, head_size=8, block_size=4)
     mem = KVMemory(layout, "fp", 5, dtype=torch.float32, device=torch.device("cpu"))
     nbytes = mem.buffer.shape[1]

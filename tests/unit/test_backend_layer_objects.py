@@ -89,3 +89,22 @@ def test_one_writer_per_layer_cache_and_none_kept_for_a_dropped_cache(lib, monke
     new.residual_k, new.residual_v = new.residual_k.clone(), new.residual_v.clone()
     _decode_step(be, new, 8)
     assert len(made) == 6
+
+
+def test_a_stale_entry_under_a_new_caches_id_is_not_reused(lib):
+    """An entry whose cache is dead but still sits under the id a new cache now has (its
+    reference's callback not run yet) is replaced: the new cache gets its own writer and
+    decoder, and the step writes into the new cache's tensors."""
+    be = TorchAttentionBackend(native=True)
+    new, _pool = _int8_cache()
+    old, _old_pool = _int8_cache()
+    _decode_step(be, old, 1)  # entries for the old cache, under id(old)
+    stale = {key: be._writers.pop(key) for key in list(be._writers)}
+    dead = weakref.ref(_int8_cache()[0])  # a reference to a cache that is gone
+    assert dead() is None
+    for key, entry in stale.items():  # the old cache's objects, planted under id(new)
+        new_key = id(new) if key == id(old) else ("decode", id(new))
+        be._writers[new_key] = (dead, *entry[1:])
+    _decode_step(be, new, 2)  # asserts the output and the residual write into `new`
+    for key in (id(new), ("decode", id(new))):
+        assert be._writers[key][0]() is new

@@ -370,6 +370,5 @@ class TorchAttentionBackend(AttentionBackend):
 def _forget_layer_obj(objs: dict, key, ref: weakref.ref) -> None:
     """The weak reference's callback when a layer cache dies: drop its entry (unless the key
     already holds a newer one)."""
-    got = objs.get(key)
-    if got is not None and got[0] is ref:
-        del objs[key]
+    if objs.get(key, (None,))[0] is ref:
+        objs.pop(key, None)
