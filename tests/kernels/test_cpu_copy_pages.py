@@ -80,12 +80,12 @@ def test_bad_arguments_are_named(libraries):
     copy_pages_cpu(pool, [], [], library=lib)  # nothing to do
 
 
-def test_write_page_buffers_copies_in_c_with_a_library(libraries, monkeypatch):
-    """``write_page_buffers`` with a library copies through it, without one through numpy,
-    with the same bytes."""
+@pytest.fixture
+def c_copies(monkeypatch) -> list[int]:
+    """The page counts of the C copies made while a test runs (``copy_page_views`` calls)."""
     import kvmesh.kernels.cpu_ops as cpu_ops
 
-    calls = []
+    calls: list[int] = []
     real = cpu_ops.copy_page_views
 
     def spy(*a, **k):
@@ -93,6 +93,13 @@ def test_write_page_buffers_copies_in_c_with_a_library(libraries, monkeypatch):
         return real(*a, **k)
 
     monkeypatch.setattr(cpu_ops, "copy_page_views", spy)
+    return calls
+
+
+def test_write_page_buffers_copies_in_c_with_a_library(libraries, c_copies):
+    """``write_page_buffers`` with a library copies through it, without one through numpy,
+    with the same bytes."""
+    calls = c_copies
     pool = torch.randint(0, 256, (6, 1000), dtype=torch.uint8)
     plain = pool.clone()
     ids, payloads = [3, 1, 4], _payloads(3, 1000, seed=1)
@@ -126,26 +133,17 @@ def test_a_split_copy_needs_distinct_ids_and_a_dense_pool(libraries):
     assert not pool.any() and not wide.any()
 
 
-def test_kv_memory_write_copies_in_c(monkeypatch):
+def test_kv_memory_write_copies_in_c(c_copies):
     """The pool's write (a restore's copy into the pool) goes through the C copy when the
     kernels are built, and gives the same bytes."""
-    import kvmesh.kernels.cpu_ops as cpu_ops
     from kvmesh.kernels.page_format import PageLayout
     from kvmesh.worker.kv_memory import KVMemory
 
-    calls = []
-    real = cpu_ops.copy_page_views
-
-    def spy(*a, **k):
-        calls.append(len(a[2]))
-        return real(*a, **k)
-
-    monkeypatch.setattr(cpu_ops, "copy_page_views", spy)
     layout = PageLayout("fp32", num_layers=2, num_kv_heads=1, head_size=8, block_size=4)
     mem = KVMemory(layout, "fp", 5, dtype=torch.float32, device=torch.device("cpu"))
     nbytes = mem.buffer.shape[1]
     payloads = _payloads(2, nbytes, seed=3)
     mem.write([4, 2], payloads)
-    assert calls == [2]
+    assert c_copies == [2]
     for i, p in zip([4, 2], payloads):
         assert mem.buffer[i].numpy().tobytes() == bytes(p)
