@@ -253,15 +253,15 @@ def write_page_buffers(
     """Copy each of ``payloads`` (bytes-like, ``page_nbytes`` each; e.g. views of stored
     objects) into pool page ``ids[i]``: one copy per page on the CPU, straight from the
     object, with no staging array between (a fresh one is filled at page-fault speed); with
-    ``library`` (kvmesh's C kernels, ``kernels.cpu_native``) by its streaming copy
-    (``cpu_ops.copy_pages_cpu``: the same bytes, fewer through memory). On CUDA they are
-    gathered into pinned memory first, then moved in one copy. Checked first
+    ``library`` (kvmesh's C kernels, ``kernels.cpu_native``) and a contiguous ``buf`` by its
+    streaming copy (``cpu_ops.copy_pages_cpu``: the same bytes, fewer through memory). On
+    CUDA they are gathered into pinned memory first, then moved in one copy. Checked first
     (``check_page_buffers``): a bad call writes nothing."""
     views = check_page_buffers(buf, ids, payloads)
     if not views:
         return
     nbytes = buf.shape[1]
-    if buf.device.type == "cpu" and library is not None:
+    if buf.device.type == "cpu" and library is not None and buf.is_contiguous():
         from kvmesh.kernels.cpu_ops import copy_page_views
 
         copy_page_views(buf, ids, views, library=library)

@@ -147,3 +147,17 @@ def test_kv_memory_write_copies_in_c(c_copies):
     assert c_copies == [2]
     for i, p in zip([4, 2], payloads):
         assert mem.buffer[i].numpy().tobytes() == bytes(p)
+
+
+def test_write_page_buffers_into_a_strided_pool_takes_numpy(libraries, c_copies):
+    """A pool view that is not contiguous (a column slice of a wider buffer) is written row
+    by row by numpy even with a library: the C copy assumes dense rows."""
+    wide = torch.zeros(4, 128, dtype=torch.uint8)
+    pool = wide[:, :64]
+    payloads = _payloads(2, 64, seed=4)
+    write_page_buffers(pool, [3, 0], payloads, library=libraries["native"])
+    assert c_copies == []
+    assert bytes(pool[3].numpy()) == bytes(payloads[0]) and bytes(pool[0].numpy()) == bytes(
+        payloads[1]
+    )
+    assert not wide[:, 64:].any()
