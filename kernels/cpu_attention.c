@@ -192,10 +192,158 @@ static void merge_all(float *parts, int64_t S, const int64_t *context_lens, int6
     free(parts);
 }
 
+/* The vector helpers shared by the decode softmax and the prefill kernels (below): 2^x by
+ * a polynomial, masks, horizontal max. */
+#if VEC_PATH
+#define PF_MR 6 /* query rows per micro-tile, both kernels */
+/* 2^f on [-0.5, 0.5]: a degree-5 polynomial fitted to the relative error (~8e-8, ~2.4e-7
+ * with float rounding in Horner's scheme; a softmax weight needs no more) */
+#define PF_E0 1.0000000710925994f
+#define PF_E1 0.6931469679132952f
+#define PF_E2 0.24022122257247966f
+#define PF_E3 0.05550713273564509f
+#define PF_E4 0.00967541348947018f
+#define PF_E5 0.001327609911516945f
+#if VEC_PATH == 512
+#define PF_NV 4  /* QK^T: 4 x 16 keys per micro-tile (24 accumulators) */
+#define PF_NVD 4 /* PV: 4 x 16 dims of O per micro-tile (24 accumulators) */
+#define VZERO _mm512_setzero_ps
+#define VMAXV _mm512_max_ps
+#define VSUB _mm512_sub_ps
+static inline VF pf_keep_lt(VF x, int64_t lim, VF fill) { /* lanes >= lim -> fill */
+    const __mmask16 m = lim >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (lim > 0 ? lim : 0)) - 1);
+    return _mm512_mask_blend_ps(m, fill, x);
+}
+static inline float pf_hmax(VF x) { return _mm512_reduce_max_ps(x); }
+static inline VF pf_exp2(VF x) { /* 2^x for x <= 0; 0 below -126 (and for -inf) */
+    const __mmask16 ok = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_GE_OQ);
+    const VF xc = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+#if defined(__AVX512DQ__)
+    /* f = xc - nearest(xc) in one instruction (exact), nf = the integer part (exact) */
+    const VF f = _mm512_reduce_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const VF nf = _mm512_sub_ps(xc, f);
+#else
+    const VF nf = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const VF f = _mm512_sub_ps(xc, nf);
+#endif
+    VF p = _mm512_set1_ps(PF_E5);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(PF_E4));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(PF_E3));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(PF_E2));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(PF_E1));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(PF_E0));
+    return _mm512_maskz_scalef_ps(ok, p, nf); /* p * 2^nf, exact; 0 where x < -126 */
+}
+#else
+#define PF_NV 2  /* QK^T: 2 x 8 keys (12 accumulators of 16 registers) */
+#define PF_NVD 2 /* PV: 2 x 8 dims of O */
+#define VZERO _mm256_setzero_ps
+#define VMAXV _mm256_max_ps
+#define VSUB _mm256_sub_ps
+static inline VF pf_keep_lt(VF x, int64_t lim, VF fill) {
+    const __m256 iota = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 m = _mm256_cmp_ps(iota, _mm256_set1_ps((float)(lim > 8 ? 8 : lim)), _CMP_LT_OQ);
+    return _mm256_blendv_ps(fill, x, m);
+}
+static inline float pf_hmax(VF x) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+static inline VF pf_exp2(VF x) {
+    const __m256 ok = _mm256_cmp_ps(x, _mm256_set1_ps(-126.0f), _CMP_GE_OQ);
+    const VF xc = _mm256_max_ps(x, _mm256_set1_ps(-126.0f));
+    const VF nf = _mm256_round_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const VF f = _mm256_sub_ps(xc, nf);
+    VF p = _mm256_set1_ps(PF_E5);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(PF_E4));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(PF_E3));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(PF_E2));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(PF_E1));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(PF_E0));
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(nf), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), ok);
+}
+#endif
+#endif
+
 /* Online softmax over one page's scores s (Hq, bs), nt valid: turns them into weights
- * relative to the running max m and rescales the accumulators when the max moves. */
+ * relative to the running max m and rescales the accumulators when the max moves.
+ * The vector builds take e^x as 2^(x log2 e) by pf_exp2, inline (a call to libmvec's expf
+ * spills the caller's vector registers; its scalar expf for the correction cost as much as
+ * a head's whole row), VW heads' corrections in one vector; relative error ~3e-7 against
+ * expf. A NaN score stays NaN, as with expf. */
+#if VEC_PATH
+static inline VF dec_exp(VF x) { /* e^x for x <= 0; NaN stays NaN */
+    const VF r = pf_exp2(VMUL(x, VSET1(1.4426950408889634f)));
+#if VEC_PATH == 512
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), r, x);
+#else
+    return _mm256_blendv_ps(r, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+#endif
+}
+static inline VF ld_first(const float *p, int64_t n, VF fill) { /* lanes >= n: fill */
+#if VEC_PATH == 512
+    return _mm512_mask_loadu_ps(fill, (__mmask16)((1u << n) - 1), p);
+#else
+    const __m256i k = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    return _mm256_blendv_ps(fill, _mm256_maskload_ps(p, k), _mm256_castsi256_ps(k));
+#endif
+}
+static inline void st_first(float *p, int64_t n, VF x) { /* lanes < n only */
+#if VEC_PATH == 512
+    _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), x);
+#else
+    const __m256i k = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    _mm256_maskstore_ps(p, k, x);
+#endif
+}
+#endif
+
 static inline void fold_page(float *s, float *acc, float *m, float *l, int64_t Hq, int64_t D,
                              int64_t bs, int64_t nt) {
+#if VEC_PATH
+    const VF ninf = VSET1(-INFINITY), zero = VSET1(0.0f);
+    for (int64_t g0 = 0; g0 < Hq; g0 += VW) {
+        const int64_t ng = Hq - g0 < VW ? Hq - g0 : VW;
+        float mn[VW], cr[VW];
+        for (int64_t i = 0; i < ng; i++) { /* the new max (a NaN score is skipped, as before) */
+            const float *sg = s + (g0 + i) * bs;
+            VF mv = ninf;
+            int64_t j = 0;
+            for (; j + VW <= nt; j += VW) mv = VMAXV(VLOAD(sg + j), mv);
+            if (j < nt) mv = VMAXV(ld_first(sg + j, nt - j, ninf), mv);
+            const float mx = pf_hmax(mv);
+            mn[i] = mx > m[g0 + i] ? mx : m[g0 + i];
+        }
+        /* the corrections e^(m - mn): 0 on the first page (m = -inf), 1 where m stays */
+        VSTORE(cr, dec_exp(VSUB(ld_first(m + g0, ng, zero), ld_first(mn, ng, zero))));
+        for (int64_t i = 0; i < ng; i++) {
+            const int64_t g = g0 + i;
+            float *sg = s + g * bs;
+            const float corr = m[g] == mn[i] ? 1.0f : cr[i];
+            const VF mx = VSET1(mn[i]);
+            VF sum = zero;
+            int64_t j = 0;
+            for (; j + VW <= nt; j += VW) {
+                const VF e = dec_exp(VSUB(VLOAD(sg + j), mx));
+                VSTORE(sg + j, e);
+                sum = VADD(sum, e);
+            }
+            if (j < nt) {
+                const VF e = pf_keep_lt(dec_exp(VSUB(ld_first(sg + j, nt - j, mx), mx)), nt - j, zero);
+                st_first(sg + j, nt - j, e);
+                sum = VADD(sum, e);
+            }
+            l[g] = l[g] * corr + VSUM(sum);
+            m[g] = mn[i];
+            if (corr != 1.0f)
+                for (int64_t d = 0; d < D; d++) acc[g * D + d] *= corr;
+        }
+    }
+#else
     for (int64_t g = 0; g < Hq; g++) {
         float *sg = s + g * bs;
         float mx = m[g];
@@ -212,6 +360,7 @@ static inline void fold_page(float *s, float *acc, float *m, float *l, int64_t H
         if (corr != 1.0f)
             for (int64_t d = 0; d < D; d++) acc[g * D + d] *= corr;
     }
+#endif
 }
 
 /* One page's contribution: rows kp[j * row], vp[j * row] for j < nt (the page's valid
@@ -1332,78 +1481,6 @@ static int pf_scalar(const float *q, int64_t ldq, const float *k, int64_t ldk, c
 }
 
 #if VEC_PATH
-#define PF_MR 6 /* query rows per micro-tile, both kernels */
-/* 2^f on [-0.5, 0.5]: a degree-5 polynomial fitted to the relative error (~8e-8, ~2.4e-7
- * with float rounding in Horner's scheme; a softmax weight needs no more) */
-#define PF_E0 1.0000000710925994f
-#define PF_E1 0.6931469679132952f
-#define PF_E2 0.24022122257247966f
-#define PF_E3 0.05550713273564509f
-#define PF_E4 0.00967541348947018f
-#define PF_E5 0.001327609911516945f
-#if VEC_PATH == 512
-#define PF_NV 4  /* QK^T: 4 x 16 keys per micro-tile (24 accumulators) */
-#define PF_NVD 4 /* PV: 4 x 16 dims of O per micro-tile (24 accumulators) */
-#define VZERO _mm512_setzero_ps
-#define VMAXV _mm512_max_ps
-#define VSUB _mm512_sub_ps
-static inline VF pf_keep_lt(VF x, int64_t lim, VF fill) { /* lanes >= lim -> fill */
-    const __mmask16 m = lim >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (lim > 0 ? lim : 0)) - 1);
-    return _mm512_mask_blend_ps(m, fill, x);
-}
-static inline float pf_hmax(VF x) { return _mm512_reduce_max_ps(x); }
-static inline VF pf_exp2(VF x) { /* 2^x for x <= 0; 0 below -126 (and for -inf) */
-    const __mmask16 ok = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_GE_OQ);
-    const VF xc = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
-#if defined(__AVX512DQ__)
-    /* f = xc - nearest(xc) in one instruction (exact), nf = the integer part (exact) */
-    const VF f = _mm512_reduce_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const VF nf = _mm512_sub_ps(xc, f);
-#else
-    const VF nf = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const VF f = _mm512_sub_ps(xc, nf);
-#endif
-    VF p = _mm512_set1_ps(PF_E5);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(PF_E4));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(PF_E3));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(PF_E2));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(PF_E1));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(PF_E0));
-    return _mm512_maskz_scalef_ps(ok, p, nf); /* p * 2^nf, exact; 0 where x < -126 */
-}
-#else
-#define PF_NV 2  /* QK^T: 2 x 8 keys (12 accumulators of 16 registers) */
-#define PF_NVD 2 /* PV: 2 x 8 dims of O */
-#define VZERO _mm256_setzero_ps
-#define VMAXV _mm256_max_ps
-#define VSUB _mm256_sub_ps
-static inline VF pf_keep_lt(VF x, int64_t lim, VF fill) {
-    const __m256 iota = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256 m = _mm256_cmp_ps(iota, _mm256_set1_ps((float)(lim > 8 ? 8 : lim)), _CMP_LT_OQ);
-    return _mm256_blendv_ps(fill, x, m);
-}
-static inline float pf_hmax(VF x) {
-    __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_max_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-static inline VF pf_exp2(VF x) {
-    const __m256 ok = _mm256_cmp_ps(x, _mm256_set1_ps(-126.0f), _CMP_GE_OQ);
-    const VF xc = _mm256_max_ps(x, _mm256_set1_ps(-126.0f));
-    const VF nf = _mm256_round_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const VF f = _mm256_sub_ps(xc, nf);
-    VF p = _mm256_set1_ps(PF_E5);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(PF_E4));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(PF_E3));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(PF_E2));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(PF_E1));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(PF_E0));
-    const __m256i e = _mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_cvtps_epi32(nf), _mm256_set1_epi32(127)), 23);
-    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), ok);
-}
-#endif
 #define PF_KT (PF_NV * VW) /* keys per QK micro-tile */
 
 /* s[i][0 .. ncol) = qp[i] . kt[:, col] for mr rows, ncol a multiple of PF_KT */
