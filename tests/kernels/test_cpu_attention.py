@@ -101,6 +101,21 @@ def test_null_page_padding_is_never_read(libraries):
         )
 
 
+def test_nan_in_a_real_key_stays_nan_for_its_heads_only(libraries):
+    """A NaN in a key a sequence reads makes the heads that read it NaN, as in the torch
+    twin (the softmax's exp must not turn a NaN score into a weight of 0), and leaves the
+    other KV head's query heads and the other sequence as they were."""
+    sim = _sim("fp32", 2, 64, [[5, 40]], seed=6)
+    args = _args(sim, torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(6)), 0.3)
+    sim.views()["k"][int(args["block_tables"][1, 1]), 3, 0, 7] = float("nan")
+    want = paged_decode_attention_torch(**args)
+    assert want[1, :2].isnan().all() and not want[1, 2:].isnan().any()
+    assert not want[0].isnan().any()
+    for lib in libraries.values():
+        got = cpu_attention.paged_decode_attention_cpu(**args, library=lib)
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5, equal_nan=True)
+
+
 def test_long_contexts_many_sequences(libraries):
     """More sequences than threads, a few hundred keys each, pages scattered over the pool:
     the engine's decode shape."""
