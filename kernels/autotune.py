@@ -87,6 +87,12 @@ CACHE_FORMAT = 2  # bumped when the candidates or the timing change: old entries
 # (2: best round, not median)
 ROUNDS = 7
 TIME_BUDGET_S = 0.25  # a measurement stops after 3 rounds once its rounds took this long
+# Short calls (a decode GEMM, a 128-token prefill attention: ~0.1-0.5 ms) get more rounds,
+# until their rounds took this long or MAX_ROUNDS ran: 7 samples of a sub-millisecond call
+# on a busy 2-core VM left whole buckets with a disturbed best (a cached prefill choice at
+# 128 tokens had the C kernel at 4,760 us, 20x its 232 us, and SDPA chosen).
+MIN_TIME_S = 0.05
+MAX_ROUNDS = 64
 MAX_TUNED_ROWS = 256  # larger products run F.linear untuned in exact mode (module doc)
 PREFILL_CANDIDATES = ("linear", "onednn")  # auto above MAX_TUNED_ROWS: MKL packed is for small M
 # auto: one measurement at this many rows stands for every bucket above MAX_TUNED_ROWS (timing
@@ -218,18 +224,25 @@ def machine_key() -> dict:
 def _time_rounds(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
     """Seconds per call of each function in its fastest round, timed in interleaved rounds (a
     load spike from another process then hits every candidate alike; the fastest round is
-    the least disturbed one, since load only ever adds time)."""
+    the least disturbed one, since load only ever adds time). ``rounds`` rounds, fewer (3)
+    once they took ``TIME_BUDGET_S``, more (up to ``MAX_ROUNDS``) while they took less than
+    ``MIN_TIME_S``."""
     for f in fns.values():
         f()  # warm: first-call allocations, lazy packing
     times: dict[str, list[float]] = {k: [] for k in fns}
     start = time.perf_counter()
-    for r in range(rounds):
+    r = 0
+    while r < MAX_ROUNDS:
         for k, f in fns.items():
             t = time.perf_counter()
             f()
             times[k].append(time.perf_counter() - t)
-        if r >= 2 and time.perf_counter() - start > TIME_BUDGET_S:
+        r += 1
+        elapsed = time.perf_counter() - start
+        if r >= 3 and elapsed > TIME_BUDGET_S:
             break  # big products: 3 rounds suffice, the first start should not wait on more
+        if r >= rounds and elapsed > MIN_TIME_S:
+            break  # short calls run on until MIN_TIME_S (or MAX_ROUNDS)
     return {k: min(v) for k, v in times.items()}
 
 
