@@ -21,11 +21,11 @@ once at ``PREFILL_TUNE_ROWS`` (2,048) for every bucket above 256. The
 engine chooses every bucket it will run when it starts (``cpu_linear.warm_up``), so no
 request waits on a measurement or sees a GEMM change mid-way; a bucket outside what it
 announced is chosen the first time a product of that size runs. A measurement times every
-candidate on the real weight, interleaved in rounds (7, or 3 once they took 0.25 s), each
-candidate's best round, fastest wins. Best, not median: another process's load only ever
-adds time, and at 3 rounds a median is the slow round whenever two of them were disturbed
-(on the loaded 2-core VM a 2,048-row gate_up measurement so kept F.linear, which runs
-1.3x slower there than oneDNN; bench/README.md).
+candidate on the real weight, interleaved in rounds (7; 3 once they took 0.25 s; short calls
+more, until 0.05 s or 64 rounds), each candidate's best round, fastest wins. Best, not
+median: another process's load only ever adds time, and at 3 rounds a median is the slow
+round whenever two of them were disturbed (on the loaded 2-core VM a 2,048-row gate_up
+measurement so kept F.linear, which runs 1.3x slower there than oneDNN; bench/README.md).
 The choice is cached in memory (every layer shares a shape) and on disk, in
 ``$KVMESH_AUTOTUNE_DIR/gemm.json`` (default ``<cache_dir>/autotune``), keyed by the CPU
 model, its flags, the torch version, the thread count, the environment variables that cap
@@ -83,8 +83,8 @@ log = logging.getLogger(__name__)
 CANDIDATES = ("linear", "mkl", "onednn")
 MODES = ("auto", "exact", "legacy", *CANDIDATES)
 BUCKETS = tuple(2**i for i in range(12))  # 1 .. 2048 rows (tuned: up to MAX_TUNED_ROWS)
-CACHE_FORMAT = 2  # bumped when the candidates or the timing change: old entries are stale
-# (2: best round, not median)
+CACHE_FORMAT = 3  # bumped when the candidates or the timing change: old entries are stale
+# (2: best round, not median; 3: short calls timed over more rounds)
 ROUNDS = 7
 TIME_BUDGET_S = 0.25  # a measurement stops after 3 rounds once its rounds took this long
 # Short calls (a decode GEMM, a 128-token prefill attention: ~0.1-0.5 ms) get more rounds,
@@ -252,6 +252,8 @@ class GemmTuner:
     ``cache_path``: the JSON file (None: memory only). ``mode``: one of ``MODES`` (the
     class defaults to ``auto``; the engine's process tuner to ``$KVMESH_GEMM``, ``exact``).
     ``timer``: replaces the measurement (tests), ``timer(fns, rounds) -> {name: seconds}``.
+    ``rounds``: the rounds a measurement runs (3 for long calls, more for short ones: see
+    ``_time_rounds``).
     """
 
     def __init__(

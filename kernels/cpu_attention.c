@@ -24,8 +24,8 @@
  * Quantized pages: fp8 and int8 (and int4 on scalar builds or head sizes off the vector
  * width) are dequantized a page at a time into a float scratch (a page of K and V: L1-sized
  * for small heads, not for large Hkv * D * bs) and run through the same float page step;
- * int4 on the vector builds folds its scales into q and the softmax weights instead (see
- * page_int4_vec and, for D % 32 == 0, page_int4_fast).
+ * int4 on the vector builds folds its key scales into q instead and dequantizes values in
+ * registers (see page_int4_vec and, for D % 32 == 0, page_int4_fast).
  */
 #include <math.h>
 #include <stdint.h>
@@ -36,7 +36,8 @@
 #endif
 
 #if defined(KVMESH_LIBMVEC)
-/* glibc's vector expf (libmvec), so the softmax's exp loop vectorises (as in cpu_ops.c) */
+/* glibc's vector expf (libmvec), so the scalar build's softmax exp loop vectorises where the
+ * compiler can (as in cpu_ops.c); the vector builds use an inline polynomial (dec_exp) */
 __attribute__((simd("notinbranch"))) float expf(float);
 #endif
 
@@ -195,7 +196,7 @@ static void merge_all(float *parts, int64_t S, const int64_t *context_lens, int6
 /* The vector helpers shared by the decode softmax and the prefill kernels (below): 2^x by
  * a polynomial, masks, horizontal max. */
 #if VEC_PATH
-#define PF_MR 6 /* query rows per micro-tile, both kernels */
+#define PF_MR 6 /* query rows per micro-tile, both prefill kernels (causal and runs) */
 /* 2^f on [-0.5, 0.5]: a degree-5 polynomial fitted to the relative error (~8e-8, ~2.4e-7
  * with float rounding in Horner's scheme; a softmax weight needs no more) */
 #define PF_E0 1.0000000710925994f
@@ -273,8 +274,10 @@ static inline VF pf_exp2(VF x) {
  * relative to the running max m and rescales the accumulators when the max moves.
  * The vector builds take e^x as 2^(x log2 e) by pf_exp2, inline (a call to libmvec's expf
  * spills the caller's vector registers; its scalar expf for the correction cost as much as
- * a head's whole row), VW heads' corrections in one vector; relative error ~3e-7 against
- * expf. A NaN score stays NaN, as with expf. */
+ * a head's whole row), VW heads' corrections in one vector. Against expf: ~3e-7 relative
+ * near the max, growing with |x| (the product x log2 e rounds: ~|x| 6e-8), and 0 below
+ * x = -87 where expf returns denormals; e^0 is 1 + 1.2e-7, so a correction whose max did not
+ * move is set to exactly 1. A NaN score stays NaN, as with expf. */
 #if VEC_PATH
 static inline VF dec_exp(VF x) { /* e^x for x <= 0; NaN stays NaN */
     const VF r = pf_exp2(VMUL(x, VSET1(1.4426950408889634f)));

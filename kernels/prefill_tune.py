@@ -9,9 +9,10 @@ backend asks a ``PrefillTuner`` per (Hq, Hkv, D, token bucket). At engine start
 (``TorchAttentionBackend.warm_up_prefill``: every bucket up to the step budget; else at the
 first fresh prefill of a bucket) a bucket (the next power of two of the length, at least
 16; buckets above ``MAX_TOKENS`` share its measurement) times both on random inputs of the
-bucket's size, interleaved in rounds (``autotune``'s timer: best round, 7 rounds or 3 once
-they took 0.25 s); the C kernel is taken when it is at least ``MARGIN`` faster (a choice
-from timing noise would differ host to host for no gain). The choice is logged on one line
+bucket's size, interleaved in rounds (``autotune``'s timer: best round, 7 rounds, 3 once
+they took 0.25 s, more for short calls until 0.05 s or 64 rounds); the C kernel is taken
+when it is at least ``MARGIN`` faster (a choice from timing noise would differ host to host
+for no gain). The choice is logged on one line
 and cached in memory and in
 ``$KVMESH_AUTOTUNE_DIR/prefill_attention.json``, keyed like the GEMM cache
 (``autotune.machine_key``: CPU model and flags, torch version, threads, ISA environment)
@@ -51,7 +52,8 @@ log = logging.getLogger(__name__)
 
 CHOICES = ("sdpa", "c")
 MODES = ("auto", *CHOICES)
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # bumped when the timing changes: old entries are stale (2: short calls
+# timed over more rounds; a 7-round best had kept SDPA at 128 tokens, 2x slower than C)
 MIN_TOKENS = 16
 MAX_TOKENS = 2048  # larger buckets use this one's measurement (timing 8k tokens takes seconds)
 MARGIN = 0.95  # the C kernel must take at most this fraction of SDPA's time

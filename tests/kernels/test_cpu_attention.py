@@ -55,7 +55,10 @@ def _args(sim, q, scale, window=None):
 
 @pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("fmt", ["fp32", "fp16", "bf16"])
-@pytest.mark.parametrize("Hq,Hkv,D", [(9, 3, 64), (8, 2, 128), (5, 1, 32), (4, 4, 48), (6, 2, 20)])
+# (20, 4, 64): more query heads than one AVX-512 vector (the softmax folds VW heads at a time)
+@pytest.mark.parametrize(
+    "Hq,Hkv,D", [(9, 3, 64), (8, 2, 128), (5, 1, 32), (4, 4, 48), (6, 2, 20), (20, 4, 64)]
+)
 def test_matches_torch_twin(libraries, build, fmt, Hq, Hkv, D):
     # a tail page, exactly full pages, a single token, and one spanning every page
     sim = _sim(fmt, Hkv, D, [[37, 32, 1, 90], [1, 0, 0, 5]], seed=Hq + D)
@@ -163,7 +166,12 @@ def _quant_args(sim, q, scale, window=None):
 
 @pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("fmt", ["int8", "fp8", "int4"])
-@pytest.mark.parametrize("Hq,Hkv,D", [(9, 3, 64), (8, 2, 128), (4, 2, 64), (8, 2, 64), (6, 2, 20)])
+# (20, 4, 64): more query heads than one AVX-512 vector; (30, 3, 64): G = 10 > 4, so int4's
+# query zero terms take more than one four-head sum tree (and the values run token-major)
+@pytest.mark.parametrize(
+    "Hq,Hkv,D",
+    [(9, 3, 64), (8, 2, 128), (4, 2, 64), (8, 2, 64), (6, 2, 20), (20, 4, 64), (30, 3, 64)],
+)
 def test_quantized_pages_match_torch_twin(libraries, build, fmt, Hq, Hkv, D):
     """Quantized pages dequantized in the kernel (the same stored scales and arithmetic as the
     torch twin), the partial last page from the residual, exactly full pages with no tail.
