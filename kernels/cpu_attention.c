@@ -205,6 +205,14 @@ static void merge_all(float *parts, int64_t S, const int64_t *context_lens, int6
 #define PF_E3 0.05550713273564509f
 #define PF_E4 0.00967541348947018f
 #define PF_E5 0.001327609911516945f
+static inline VF pf_poly(VF f) { /* 2^f, |f| <= 0.5, by Horner's scheme */
+    VF p = VSET1(PF_E5);
+    p = VFMA(p, f, VSET1(PF_E4));
+    p = VFMA(p, f, VSET1(PF_E3));
+    p = VFMA(p, f, VSET1(PF_E2));
+    p = VFMA(p, f, VSET1(PF_E1));
+    return VFMA(p, f, VSET1(PF_E0));
+}
 #if VEC_PATH == 512
 #define PF_NV 4  /* QK^T: 4 x 16 keys per micro-tile (24 accumulators) */
 #define PF_NVD 4 /* PV: 4 x 16 dims of O per micro-tile (24 accumulators) */
@@ -227,12 +235,7 @@ static inline VF pf_exp2(VF x) { /* 2^x for x <= 0; 0 below -126 (and for -inf) 
     const VF nf = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const VF f = _mm512_sub_ps(xc, nf);
 #endif
-    VF p = _mm512_set1_ps(PF_E5);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(PF_E4));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(PF_E3));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(PF_E2));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(PF_E1));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(PF_E0));
+    const VF p = pf_poly(f);
     return _mm512_maskz_scalef_ps(ok, p, nf); /* p * 2^nf, exact; 0 where x < -126 */
 }
 #else
@@ -257,12 +260,7 @@ static inline VF pf_exp2(VF x) {
     const VF xc = _mm256_max_ps(x, _mm256_set1_ps(-126.0f));
     const VF nf = _mm256_round_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const VF f = _mm256_sub_ps(xc, nf);
-    VF p = _mm256_set1_ps(PF_E5);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(PF_E4));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(PF_E3));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(PF_E2));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(PF_E1));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(PF_E0));
+    const VF p = pf_poly(f);
     const __m256i e = _mm256_slli_epi32(
         _mm256_add_epi32(_mm256_cvtps_epi32(nf), _mm256_set1_epi32(127)), 23);
     return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), ok);
