@@ -84,7 +84,7 @@ CANDIDATES = ("linear", "mkl", "onednn")
 MODES = ("auto", "exact", "legacy", *CANDIDATES)
 BUCKETS = tuple(2**i for i in range(12))  # 1 .. 2048 rows (tuned: up to MAX_TUNED_ROWS)
 CACHE_FORMAT = 3  # bumped when the candidates or the timing change: old entries are stale
-# (2: best round, not median; 3: short calls timed over more rounds)
+# (2: best round, not median; 3: short calls timed over more rounds, close long ones too)
 ROUNDS = 7
 TIME_BUDGET_S = 0.25  # a measurement stops after 3 rounds once its rounds took this long
 # Short calls (a decode GEMM, a 128-token prefill attention: ~0.1-0.5 ms) get more rounds,
@@ -93,6 +93,10 @@ TIME_BUDGET_S = 0.25  # a measurement stops after 3 rounds once its rounds took 
 # 128 tokens had the C kernel at 4,760 us, 20x its 232 us, and SDPA chosen).
 MIN_TIME_S = 0.05
 MAX_ROUNDS = 64
+# Long calls stop after 3 rounds only when the two fastest candidates are further apart than
+# this; closer, they run all ``rounds``: a 3-round best of a 2,048-row gate_up had oneDNN at
+# 47.0 ms against F.linear's 45.7 (F.linear kept), where other runs time oneDNN at ~36.
+CLOSE = 0.15
 MAX_TUNED_ROWS = 256  # larger products run F.linear untuned in exact mode (module doc)
 PREFILL_CANDIDATES = ("linear", "onednn")  # auto above MAX_TUNED_ROWS: MKL packed is for small M
 # auto: one measurement at this many rows stands for every bucket above MAX_TUNED_ROWS (timing
@@ -221,12 +225,18 @@ def machine_key() -> dict:
     }
 
 
+def _close(times: dict[str, list[float]]) -> bool:
+    """Whether the two fastest candidates' best rounds so far are within ``CLOSE``."""
+    best = sorted(min(v) for v in times.values())
+    return len(best) > 1 and best[1] <= best[0] * (1 + CLOSE)
+
+
 def _time_rounds(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
     """Seconds per call of each function in its fastest round, timed in interleaved rounds (a
     load spike from another process then hits every candidate alike; the fastest round is
     the least disturbed one, since load only ever adds time). ``rounds`` rounds, fewer (3)
-    once they took ``TIME_BUDGET_S``, more (up to ``MAX_ROUNDS``) while they took less than
-    ``MIN_TIME_S``."""
+    once they took ``TIME_BUDGET_S`` unless the two fastest are within ``CLOSE``, more (up to
+    ``MAX_ROUNDS``) while they took less than ``MIN_TIME_S``."""
     for f in fns.values():
         f()  # warm: first-call allocations, lazy packing
     times: dict[str, list[float]] = {k: [] for k in fns}
@@ -239,8 +249,8 @@ def _time_rounds(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str,
             times[k].append(time.perf_counter() - t)
         r += 1
         elapsed = time.perf_counter() - start
-        if r >= 3 and elapsed > TIME_BUDGET_S:
-            break  # big products: 3 rounds suffice, the first start should not wait on more
+        if r >= 3 and elapsed > TIME_BUDGET_S and (r >= rounds or not _close(times)):
+            break  # big products: 3 rounds suffice unless close, the first start should not wait
         if r >= rounds and elapsed > MIN_TIME_S:
             break  # short calls run on until MIN_TIME_S (or MAX_ROUNDS)
     return {k: min(v) for k, v in times.items()}

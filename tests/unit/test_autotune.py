@@ -383,8 +383,9 @@ def test_a_candidate_slowed_in_most_rounds_still_wins(tmp_path):
 def test_timer_rounds_grow_for_short_calls_and_shrink_for_long_ones(monkeypatch):
     """The round count adapts to the call's length: sub-millisecond calls run until
     ``MIN_TIME_S`` (capped at ``MAX_ROUNDS``) so one disturbed round does not decide a bucket,
-    calls past ``TIME_BUDGET_S`` stop after 3 rounds, and anything in between runs
-    ``rounds``. Every count includes the warm-up call."""
+    calls past ``TIME_BUDGET_S`` stop after 3 rounds unless the two candidates are within
+    ``CLOSE``, and anything in between runs ``rounds``. Every count includes the warm-up
+    call."""
     clock = [0.0]
     monkeypatch.setattr(autotune.time, "perf_counter", lambda: clock[0])
 
@@ -397,14 +398,15 @@ def test_timer_rounds_grow_for_short_calls_and_shrink_for_long_ones(monkeypatch)
 
         return f, calls
 
-    for seconds, want_rounds in (
-        (1e-5, autotune.MAX_ROUNDS),  # 64 rounds take 1.3 ms: under MIN_TIME_S
-        (2e-3, 13),  # 0.05 s of rounds (2 candidates x 2 ms): past ROUNDS
-        (4e-3, autotune.ROUNDS),  # 7 rounds take 0.056 s: past MIN_TIME_S at ROUNDS
-        (0.05, 3),  # 3 rounds take 0.3 s: past TIME_BUDGET_S
+    for seconds, other, want_rounds in (
+        (1e-5, 1e-5, autotune.MAX_ROUNDS),  # 64 rounds take 1.3 ms: under MIN_TIME_S
+        (2e-3, 2e-3, 13),  # 0.05 s of rounds (2 candidates x 2 ms): past ROUNDS
+        (4e-3, 4e-3, autotune.ROUNDS),  # 7 rounds take 0.056 s: past MIN_TIME_S at ROUNDS
+        (0.05, 0.1, 3),  # 3 rounds take 0.45 s: past TIME_BUDGET_S, and 2x apart
+        (0.05, 0.055, autotune.ROUNDS),  # as long, but within CLOSE: all ROUNDS
     ):
         f, n = counting(seconds)
-        g, m = counting(seconds)
+        g, m = counting(other)
         t = autotune._time_rounds({"a": f, "b": g}, autotune.ROUNDS)
-        assert n[0] == m[0] == want_rounds + 1, (seconds, n[0])
-        assert t["a"] == pytest.approx(seconds)
+        assert n[0] == m[0] == want_rounds + 1, (seconds, other, n[0])
+        assert t["a"] == pytest.approx(seconds) and t["b"] == pytest.approx(other)
