@@ -21,11 +21,12 @@ once at ``PREFILL_TUNE_ROWS`` (2,048) for every bucket above 256. The
 engine chooses every bucket it will run when it starts (``cpu_linear.warm_up``), so no
 request waits on a measurement or sees a GEMM change mid-way; a bucket outside what it
 announced is chosen the first time a product of that size runs. A measurement times every
-candidate on the real weight, interleaved in rounds (7; 3 once they took 0.25 s; short calls
-more, until 0.05 s or 64 rounds), each candidate's best round, fastest wins. Best, not
-median: another process's load only ever adds time, and at 3 rounds a median is the slow
-round whenever two of them were disturbed (on the loaded 2-core VM a 2,048-row gate_up
-measurement so kept F.linear, which runs 1.3x slower there than oneDNN; bench/README.md).
+candidate on the real weight, interleaved in rounds (7; 3 once they took 0.25 s, unless the
+two fastest are within 15%; short calls more, until 0.05 s or 64 rounds), each candidate's
+best round, fastest wins. Best, not median: another process's load only ever adds time,
+and at 3 rounds a median is the slow round whenever two of them were disturbed (on the
+loaded 2-core VM a 2,048-row gate_up measurement so kept F.linear, which runs 1.3x slower
+there than oneDNN; bench/README.md).
 The choice is cached in memory (every layer shares a shape) and on disk, in
 ``$KVMESH_AUTOTUNE_DIR/gemm.json`` (default ``<cache_dir>/autotune``), keyed by the CPU
 model, its flags, the torch version, the thread count, the environment variables that cap
@@ -262,8 +263,8 @@ class GemmTuner:
     ``cache_path``: the JSON file (None: memory only). ``mode``: one of ``MODES`` (the
     class defaults to ``auto``; the engine's process tuner to ``$KVMESH_GEMM``, ``exact``).
     ``timer``: replaces the measurement (tests), ``timer(fns, rounds) -> {name: seconds}``.
-    ``rounds``: the rounds a measurement runs (3 for long calls, more for short ones: see
-    ``_time_rounds``).
+    ``rounds``: the rounds a measurement runs (3 for long calls unless their candidates are
+    close, more for short ones: see ``_time_rounds``).
     """
 
     def __init__(

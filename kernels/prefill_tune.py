@@ -10,7 +10,8 @@ backend asks a ``PrefillTuner`` per (Hq, Hkv, D, token bucket). At engine start
 first fresh prefill of a bucket) a bucket (the next power of two of the length, at least
 16; buckets above ``MAX_TOKENS`` share its measurement) times both on random inputs of the
 bucket's size, interleaved in rounds (``autotune``'s timer: best round, 7 rounds, 3 once
-they took 0.25 s, more for short calls until 0.05 s or 64 rounds); the C kernel is taken
+they took 0.25 s unless the two are within 15%, more for short calls until 0.05 s or 64
+rounds); the C kernel is taken
 when it is at least ``MARGIN`` faster (a choice from timing noise would differ host to host
 for no gain). The choice is logged on one line
 and cached in memory and in
