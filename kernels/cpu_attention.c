@@ -1497,25 +1497,46 @@ static int pf_scalar(const float *q, int64_t ldq, const float *k, int64_t ldk, c
 #if VEC_PATH
 #define PF_KT (PF_NV * VW) /* keys per QK micro-tile */
 
-/* s[i][0 .. ncol) = qp[i] . kt[:, col] for mr rows, ncol a multiple of PF_KT */
+/* s[i][c0 .. c0 + nv * VW) = qp[i] . kt[:, col] for mr rows: one micro-tile of nv vectors */
+static inline __attribute__((always_inline)) void pf_qk_tile(const float *qp, int64_t D,
+                                                             const float *kt, int64_t ldk,
+                                                             int64_t bk, float *s, int64_t c0,
+                                                             const int mr, const int nv) {
+    VF acc[PF_MR][PF_NV];
+    for (int i = 0; i < mr; i++)
+        for (int c = 0; c < nv; c++) acc[i][c] = VZERO();
+    for (int64_t d = 0; d < D; d++) {
+        VF kv[PF_NV];
+        for (int c = 0; c < nv; c++) kv[c] = VLOAD(kt + d * ldk + c0 + c * VW);
+        for (int i = 0; i < mr; i++) {
+            const VF qb = VSET1(qp[i * D + d]);
+            for (int c = 0; c < nv; c++) acc[i][c] = VFMA(qb, kv[c], acc[i][c]);
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int c = 0; c < nv; c++) VSTORE(s + i * bk + c0 + c * VW, acc[i][c]);
+}
+
+/* s[i][0 .. ncol) = qp[i] . kt[:, col] for mr rows, ncol a multiple of VW: whole micro-tiles
+ * of PF_KT keys, then one narrower tile for the rest (a row's range rounded up to VW keys,
+ * not to PF_KT: the own-page kernel's exact windows are ~17-32 keys wide, and a 64-key tile
+ * there computed twice the scores it needed). Each score is the same dot product in the same
+ * order whatever the tile's width. */
 static inline __attribute__((always_inline)) void pf_qk(const float *qp, int64_t D,
                                                         const float *kt, int64_t ldk,
                                                         int64_t bk, float *s, int64_t ncol,
                                                         const int mr) {
-    for (int64_t c0 = 0; c0 < ncol; c0 += PF_KT) {
-        VF acc[PF_MR][PF_NV];
-        for (int i = 0; i < mr; i++)
-            for (int c = 0; c < PF_NV; c++) acc[i][c] = VZERO();
-        for (int64_t d = 0; d < D; d++) {
-            VF kv[PF_NV];
-            for (int c = 0; c < PF_NV; c++) kv[c] = VLOAD(kt + d * ldk + c0 + c * VW);
-            for (int i = 0; i < mr; i++) {
-                const VF qb = VSET1(qp[i * D + d]);
-                for (int c = 0; c < PF_NV; c++) acc[i][c] = VFMA(qb, kv[c], acc[i][c]);
-            }
-        }
-        for (int i = 0; i < mr; i++)
-            for (int c = 0; c < PF_NV; c++) VSTORE(s + i * bk + c0 + c * VW, acc[i][c]);
+    int64_t c0 = 0;
+    for (; c0 + PF_KT <= ncol; c0 += PF_KT) pf_qk_tile(qp, D, kt, ldk, bk, s, c0, mr, PF_NV);
+    switch ((ncol - c0) / VW) {
+#if PF_NV > 3
+    case 3: pf_qk_tile(qp, D, kt, ldk, bk, s, c0, mr, 3); break;
+#endif
+#if PF_NV > 2
+    case 2: pf_qk_tile(qp, D, kt, ldk, bk, s, c0, mr, 2); break;
+#endif
+    case 1: pf_qk_tile(qp, D, kt, ldk, bk, s, c0, mr, 1); break;
+    default: break;
     }
 }
 
@@ -1586,7 +1607,7 @@ static void pf_block(const float *q, int64_t ldq, const float *ktr, int64_t ldk,
             int64_t lim = full ? nkb : off + t0 + (r0 + mr - 1) / G - j0 + 1;
             lim = lim < 0 ? 0 : (lim > nkb ? nkb : lim);
             if (!lim) continue;
-            const int64_t ncol = (lim + PF_KT - 1) / PF_KT * PF_KT;
+            const int64_t ncol = (lim + VW - 1) / VW * VW;
 #define PF_QK(MR) pf_qk(qp + r0 * D, D, kt, ldk, bk, s + r0 * bk, ncol, MR)
             PF_DISPATCH(mr, PF_QK)
 #undef PF_QK
@@ -1813,7 +1834,7 @@ static void pr_block(const float *q, const float *const *ktr, const int64_t *ldk
             const float *kt = ktr[run] + j0;
             for (int64_t r0 = 0; r0 < R; r0 += PF_MR) {
                 const int mr = (int)(R - r0 < PF_MR ? R - r0 : PF_MR);
-                /* the micro-tile's columns: [glo, ghi) of this block, glo down to a tile */
+                /* the micro-tile's columns: [glo, ghi) of this block, glo down to a vector */
                 int64_t glo = nkb, ghi = 0;
                 for (int i = 0; i < mr; i++) {
                     const int64_t t = t0 + (r0 + i) / G;
@@ -1825,10 +1846,11 @@ static void pr_block(const float *q, const float *const *ktr, const int64_t *ldk
                     ghi = b > ghi ? b : ghi;
                 }
                 if (glo >= ghi) continue;
-                /* columns [c0v, c0v + ncol), whole micro-tiles, inside the bk-wide rows of s:
-                 * from the vector holding glo, moved back if the last tile would pass bk */
+                /* columns [c0v, c0v + ncol), whole vectors, inside the bk-wide rows of s: from
+                 * the vector holding glo (bk is a multiple of VW, so they end by bk; the guard
+                 * below is kept for any rounding that would pass it) */
                 const int64_t cs = glo / VW * VW;
-                const int64_t ncol = (ghi - cs + PF_KT - 1) / PF_KT * PF_KT; /* <= bk */
+                const int64_t ncol = (ghi - cs + VW - 1) / VW * VW; /* <= bk */
                 const int64_t c0v = cs + ncol > bk ? bk - ncol : cs;
 #define PR_QK(MR) pf_qk(qp + r0 * D, D, kt + c0v, ldk[run], bk, s + r0 * bk + c0v, ncol, MR)
                 PF_DISPATCH(mr, PR_QK)
