@@ -1249,45 +1249,55 @@ int kvmesh_decode_attention_quant(int fmt, const float *q, const uint8_t *k, con
  * (n,) of the pool (component bases and page stride in bytes as the decode kernel) -> ko, vo
  * (n, bs, H, D) float32 contiguous. The own-page prefill reads a chunk's complete pages so,
  * straight into its key/value buffers: no gathered copy of the components, no torch passes. */
+/* int4 page pg's KV head h, its bs tokens, as kernels/quant.py dequantizes them (the same
+ * bits: code x scale, then + zero, each rounded): token t's K row into kout + t * ldko, its V
+ * row into vout + t * ldvo. */
+static inline void int4_page_head(const qpages *P, int64_t pg, int64_t bs, int64_t H, int64_t D,
+                                  int64_t h, float *kout, int64_t ldko, float *vout,
+                                  int64_t ldvo) {
+    const int64_t g = D < 32 ? D : 32, D2 = D / 2, Gn = D / g, off = pg * P->stride;
+    const _Float16 *sc = (const _Float16 *)(P->ks + off) + h * D;
+    const _Float16 *zp = (const _Float16 *)(P->kz + off) + h * D;
+    const _Float16 *vsp = (const _Float16 *)(P->vs + off), *vzp = (const _Float16 *)(P->vz + off);
+    for (int64_t t = 0; t < bs; t++) {
+        const int64_t r = t * H + h;
+        const uint8_t *kb = P->k + off + r * D2, *vb = P->v + off + r * D2;
+        float *kr = kout + t * ldko, *vr = vout + t * ldvo;
+#pragma omp simd
+        for (int64_t d = 0; d < D; d++) {
+            const float c = (float)((kb[d / 2] >> (4 * (d & 1))) & 15);
+            kr[d] = c * (float)sc[d] + (float)zp[d];
+        }
+        for (int64_t c0 = 0; c0 < Gn; c0++) {
+            const float s1 = (float)vsp[r * Gn + c0], z1 = (float)vzp[r * Gn + c0];
+#pragma omp simd
+            for (int64_t d = c0 * g; d < (c0 + 1) * g; d++) {
+                const float c = (float)((vb[d / 2] >> (4 * (d & 1))) & 15);
+                vr[d] = c * s1 + z1;
+            }
+        }
+    }
+}
+
+static inline int int4_head_ok(int64_t D) { return D >= 2 && D % 2 == 0 && D % (D < 32 ? D : 32) == 0; }
+
 int kvmesh_dequantize_int4_pages(const uint8_t *k, const uint8_t *ks, const uint8_t *kz,
                                  const uint8_t *v, const uint8_t *vs, const uint8_t *vz,
                                  int64_t stride, const int64_t *pages, int64_t n, int64_t bs,
                                  int64_t H, int64_t D, float *ko, float *vo, int num_threads) {
-    const int64_t g = D < 32 ? D : 32;
-    if (D % 2 || D % g) return 2;
-    const int64_t D2 = D / 2, Gn = D / g, rows = bs * H;
+    if (!int4_head_ok(D)) return 2;
+    const qpages P = {k, ks, kz, v, vs, vz, stride};
+    const int64_t rows = bs * H;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (n * rows * D >= 32768)
-    for (int64_t i = 0; i < n; i++) {
-        const int64_t off = pages[i] * stride;
-        const _Float16 *ksp = (const _Float16 *)(ks + off), *kzp = (const _Float16 *)(kz + off);
-        const _Float16 *vsp = (const _Float16 *)(vs + off), *vzp = (const _Float16 *)(vz + off);
-        const uint8_t *kd = k + off, *vd = v + off;
-        float *kout = ko + i * rows * D, *vout = vo + i * rows * D;
-        for (int64_t r = 0; r < rows; r++) {
-            const int64_t h = r % H;
-            const uint8_t *kb = kd + r * D2, *vb = vd + r * D2;
-            const _Float16 *sc = ksp + h * D, *zp = kzp + h * D;
-            float *kr = kout + r * D, *vr = vout + r * D;
-#pragma omp simd
-            for (int64_t d = 0; d < D; d++) {
-                const float c = (float)((kb[d / 2] >> (4 * (d & 1))) & 15);
-                kr[d] = c * (float)sc[d] + (float)zp[d];
-            }
-            for (int64_t c0 = 0; c0 < Gn; c0++) {
-                const float s1 = (float)vsp[r * Gn + c0], z1 = (float)vzp[r * Gn + c0];
-#pragma omp simd
-                for (int64_t d = c0 * g; d < (c0 + 1) * g; d++) {
-                    const float c = (float)((vb[d / 2] >> (4 * (d & 1))) & 15);
-                    vr[d] = c * s1 + z1;
-                }
-            }
-        }
-    }
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t h = 0; h < H; h++)
+            int4_page_head(&P, pages[i], bs, H, D, h, ko + i * rows * D + h * D, H * D,
+                           vo + i * rows * D + h * D, H * D);
     return 0;
 }
 
 /* The ABI version kernels/cpu_native.py checks, bumped with any signature change. */
-int kvmesh_cpu_abi(void) { return 5; }
+int kvmesh_cpu_abi(void) { return 6; }
 
 /* The vector path this build has: 512 (AVX-512), 256 (AVX2), 0 (scalar). */
 int kvmesh_cpu_attention_vectorized(void) { return VEC_PATH; }
@@ -1728,8 +1738,11 @@ int kvmesh_prefill_attention_f32(const float *q, int64_t ldq, const float *k, in
 /* ------------------------------------------------------------------------------------------
  * Prefill attention over two runs of keys, each query reading one range of each (the own-page
  * view of a chunk over a quantized cache, worker/attention/own_page.py): run A (la keys, the
- * dequantized complete pages) and run B (lb keys, the exact pages), token-major fp32:
- *   q, out (n, Hq, D); ka, va (la, Hkv, D); kb, vb (lb, Hkv, D);
+ * complete pages, read quantized) and run B (lb keys, the exact pages), fp32:
+ *   q (n, Hq, D), token t's heads at q + t * ldq; out (n, Hq, D) contiguous;
+ *   run A: ka, va (la, Hkv, D) token rows ldka, ldva floats apart, or int4 pages
+ *     (kvmesh_prefill_attention_runs_int4_f32: la = pages x bs, dequantized in the kernel);
+ *   run B: kb, vb (lb, Hkv, D), token rows ldkb, ldvb floats apart;
  *   ranges (n, 4) int64: query t reads A's keys [r0, r1) and B's keys [r2, r3).
  * One online softmax over both runs, each key read once, no mask tensor. The twin is SDPA
  * over cat(A, B) with the bool mask those ranges make (own_page_mask). The vector path is the
@@ -1737,7 +1750,8 @@ int kvmesh_prefill_attention_f32(const float *q, int64_t ldq, const float *k, in
  * some row of the micro-tile reads, and each row keeps the lanes of its own range. Every
  * query must read at least one key.
  * ---------------------------------------------------------------------------------------- */
-static int pr_scalar(const float *q, const float *const *ks, const float *const *vs,
+static int pr_scalar(const float *q, int64_t ldq, const float *const *ks,
+                     const int64_t *ldks, const float *const *vs, const int64_t *ldvs,
                      const int64_t *lens, const int64_t *ranges, float *out, int64_t n,
                      int64_t Hq, int64_t Hkv, int64_t D, float scale, int num_threads) {
     const int64_t G = Hq / Hkv;
@@ -1754,12 +1768,12 @@ static int pr_scalar(const float *q, const float *const *ks, const float *const 
         for (int64_t i = 0; i < n * Hq; i++) {
             if (!s) continue;
             const int64_t t = i / Hq, g = i % Hq, h = g / G;
-            const float *qr = q + (t * Hq + g) * D;
+            const float *qr = q + t * ldq + g * D;
             float m = -INFINITY;
             int64_t ns = 0;
             for (int run = 0; run < 2; run++)
                 for (int64_t j = ranges[t * 4 + 2 * run]; j < ranges[t * 4 + 2 * run + 1]; j++) {
-                    const float *kr = ks[run] + (j * Hkv + h) * D;
+                    const float *kr = ks[run] + j * ldks[run] + h * D;
                     float dot = 0.0f;
                     for (int64_t d = 0; d < D; d++) dot += qr[d] * kr[d];
                     s[ns] = dot * scale;
@@ -1776,7 +1790,7 @@ static int pr_scalar(const float *q, const float *const *ks, const float *const 
             ns = 0;
             for (int run = 0; run < 2; run++)
                 for (int64_t j = ranges[t * 4 + 2 * run]; j < ranges[t * 4 + 2 * run + 1]; j++) {
-                    const float *vr = vs[run] + (j * Hkv + h) * D, p = s[ns++];
+                    const float *vr = vs[run] + j * ldvs[run] + h * D, p = s[ns++];
                     for (int64_t d = 0; d < D; d++) o[d] += p * vr[d];
                 }
             const float inv = 1.0f / l;
@@ -1805,15 +1819,15 @@ static inline VF pr_keep_in(VF x, int64_t lo, int64_t hi, VF fill) {
 
 /* One work item: KV head h, query tokens [t0, t1), over both runs. ktr[run]: that run's keys
  * of head h transposed, (D, ldk[run]), zero past its length up to ldk. Scratch as pf_block. */
-static void pr_block(const float *q, const float *const *ktr, const int64_t *ldk,
-                     const float *const *vs, const int64_t *lens, const int64_t *ranges,
-                     float *out, int64_t Hq, int64_t Hkv, int64_t D, float qscale, int64_t h,
-                     int64_t t0, int64_t t1, int64_t bk, float *work) {
-    const int64_t G = Hq / Hkv, R = (t1 - t0) * G, vstride = Hkv * D;
+static void pr_block(const float *q, int64_t ldq, const float *const *ktr, const int64_t *ldk,
+                     const float *const *vs, const int64_t *ldvs, const int64_t *lens,
+                     const int64_t *ranges, float *out, int64_t Hq, int64_t Hkv, int64_t D,
+                     float qscale, int64_t h, int64_t t0, int64_t t1, int64_t bk, float *work) {
+    const int64_t G = Hq / Hkv, R = (t1 - t0) * G;
     float *qp = work, *o = qp + R * D, *s = o + R * D;
     float *m = s + R * bk, *l = m + R, *alpha = l + R;
     for (int64_t r = 0; r < R; r++) {
-        const float *src = q + ((t0 + r / G) * Hq + h * G + r % G) * D;
+        const float *src = q + (t0 + r / G) * ldq + (h * G + r % G) * D;
         for (int64_t d = 0; d < D; d++) qp[r * D + d] = src[d] * qscale;
         m[r] = -INFINITY;
         l[r] = 0.0f;
@@ -1829,6 +1843,7 @@ static void pr_block(const float *q, const float *const *ktr, const int64_t *ldk
             jhi = b > jhi ? b : jhi;
         }
         const float *vrun = vs[run] + h * D;
+        const int64_t vstride = ldvs[run];
         for (int64_t j0 = jlo; j0 < jhi; j0 += bk) {
             const int64_t nkb = jhi - j0 < bk ? jhi - j0 : bk;
             const float *kt = ktr[run] + j0;
@@ -1899,15 +1914,17 @@ static void pr_block(const float *q, const float *const *ktr, const int64_t *ldk
 }
 #endif /* VEC_PATH */
 
-/* Returns 0, 1 (scratch allocation failed) or 2 (bad shape or ranges: a range outside its
- * run, or a query reading no key). bq, force_scalar as kvmesh_prefill_attention_f32; bk
- * (<= 0: 256 keys, as the causal kernel; 1.05-1.12x faster than 64 on an int4 engine's own
- * chunks of a 1,024-token prompt, bench/README.md). */
-int kvmesh_prefill_attention_runs_f32(const float *q, const float *ka, const float *va,
-                                      int64_t la, const float *kb, const float *vb, int64_t lb,
-                                      const int64_t *ranges, float *out, int64_t n, int64_t Hq,
-                                      int64_t Hkv, int64_t D, float scale, int64_t bq,
-                                      int64_t bk, int force_scalar, int num_threads) {
+/* Run A of the two-run kernel: float rows, or int4 pages (P != NULL) of bs tokens each. */
+typedef struct {
+    const float *k, *v;
+    int64_t ldk, ldv;
+    const qpages *P;
+    const int64_t *pages;
+    int64_t bs;
+} pr_run_a;
+
+static int pr_checks(const int64_t *ranges, int64_t n, int64_t la, int64_t lb, int64_t Hq,
+                     int64_t Hkv, int64_t D) {
     if (n < 0 || la < 0 || lb < 0 || Hkv < 1 || Hq % Hkv || D < 1) return 2;
     for (int64_t t = 0; t < n; t++) {
         const int64_t *r = ranges + t * 4;
@@ -1915,45 +1932,81 @@ int kvmesh_prefill_attention_runs_f32(const float *q, const float *ka, const flo
             return 2;
         if (r[0] == r[1] && r[2] == r[3]) return 2;
     }
+    return 0;
+}
+
+static int pr_run(const float *q, int64_t ldq, const pr_run_a *A, int64_t la, const float *kb,
+                  int64_t ldkb, const float *vb, int64_t ldvb, int64_t lb,
+                  const int64_t *ranges, float *out, int64_t n, int64_t Hq, int64_t Hkv,
+                  int64_t D, float scale, int64_t bq, int64_t bk, int force_scalar,
+                  int num_threads) {
     if (n == 0) return 0;
-    const float *ks[2] = {ka, kb}, *vs[2] = {va, vb};
-    const int64_t lens[2] = {la, lb};
+    const int64_t HD = Hkv * D;
     if (bq <= 0) bq = Hq / Hkv <= 3 ? 64 : (192 / (Hq / Hkv) > 16 ? 192 / (Hq / Hkv) : 16);
     bk = bk > 0 ? bk : 256;
+    const int quant = A->P != NULL;
 #if VEC_PATH
     if (!force_scalar && pf_vec_ok(D, bk)) {
         const int64_t G = Hq / Hkv, nqb = (n + bq - 1) / bq, items = Hkv * nqb;
         const int64_t R = bq * G;
-        const int64_t floats = 2 * R * D + R * bk + 3 * R + 16;
+        int64_t floats = 2 * R * D + R * bk + 3 * R + 16;
+        if (quant && floats < A->bs * D) floats = A->bs * D; /* an int4 page's K tile */
         const float qscale = scale * PF_LOG2E;
         /* each run's K transposed once per KV head, (Hkv, D, ldk), zero past its length (a
-         * block reads up to bk keys from any start); +16: see kvmesh_prefill_attention_f32 */
+         * block reads up to bk keys from any start); +16: see kvmesh_prefill_attention_f32.
+         * int4 pages: their V dequantized into vq, token-major (la, Hkv, D) */
         int64_t ldk[2], base[2];
         ldk[0] = (la + bk + 15) / 16 * 16 + 16;
         ldk[1] = (lb + bk + 15) / 16 * 16 + 16;
         base[0] = 0;
         base[1] = Hkv * D * ldk[0];
-        const int64_t total = Hkv * D * (ldk[0] + ldk[1]);
+        const int64_t total = Hkv * D * (ldk[0] + ldk[1]) + (quant ? la * HD : 0);
         float *ktr = (float *)aligned_alloc(64, (sizeof(float) * total + 63) / 64 * 64);
         if (!ktr) return 1;
+        float *vq = quant ? ktr + Hkv * D * (ldk[0] + ldk[1]) : NULL;
+        const float *ks[2] = {A->k, kb}, *vs[2] = {quant ? vq : A->v, vb};
+        const int64_t ldks[2] = {A->ldk, ldkb}, ldvs[2] = {quant ? HD : A->ldv, ldvb};
+        const int64_t lens[2] = {la, lb};
         int failed = 0;
         const int64_t work_est = n * (la + lb) * Hq;
 #pragma omp parallel num_threads(num_threads) if (items > 1 && work_est >= 65536)
         {
-            for (int run = 0; run < 2; run++) {
-#pragma omp for schedule(static)
-                for (int64_t hd = 0; hd < Hkv * D; hd++) {
-                    const int64_t hh = hd / D, d = hd % D, L = lens[run], ld = ldk[run];
-                    float *row = ktr + base[run] + hd * ld;
-                    const float *src = ks[run];
-                    for (int64_t j = 0; j < L; j++) row[j] = src[(j * Hkv + hh) * D + d];
-                    for (int64_t j = L; j < ld; j++) row[j] = 0.0f;
-                }
-            }
             float *work = (float *)aligned_alloc(64, (sizeof(float) * floats + 63) / 64 * 64);
             if (!work) {
 #pragma omp atomic write
                 failed = 1;
+            }
+            for (int run = 0; run < 2; run++) {
+                const int64_t L = lens[run], ld = ldk[run];
+                if (run == 0 && quant) {
+                    /* page i's head h: K rows into the tile (bs, D), then into the transposed
+                     * rows h * D + d at columns i * bs.., V rows into vq */
+                    const int64_t bs = A->bs, np = la / bs;
+#pragma omp for schedule(static)
+                    for (int64_t it = 0; it < np * Hkv; it++) {
+                        if (!work) continue;
+                        const int64_t i = it / Hkv, hh = it % Hkv;
+                        int4_page_head(A->P, A->pages[i], bs, Hkv, D, hh, work, D,
+                                       vq + i * bs * HD + hh * D, HD);
+                        for (int64_t d = 0; d < D; d++) {
+                            float *row = ktr + (hh * D + d) * ld + i * bs;
+                            for (int64_t t = 0; t < bs; t++) row[t] = work[t * D + d];
+                        }
+                    }
+#pragma omp for schedule(static)
+                    for (int64_t hd = 0; hd < Hkv * D; hd++)
+                        for (int64_t j = L; j < ld; j++) ktr[hd * ld + j] = 0.0f;
+                    continue;
+                }
+#pragma omp for schedule(static)
+                for (int64_t hd = 0; hd < Hkv * D; hd++) {
+                    const int64_t hh = hd / D, d = hd % D;
+                    float *row = ktr + base[run] + hd * ld;
+                    const float *src = ks[run] + hh * D + d;
+                    const int64_t lds = ldks[run];
+                    for (int64_t j = 0; j < L; j++) row[j] = src[j * lds];
+                    for (int64_t j = L; j < ld; j++) row[j] = 0.0f;
+                }
             }
             /* later query blocks read the most keys: first */
 #pragma omp for schedule(dynamic, 1)
@@ -1963,8 +2016,8 @@ int kvmesh_prefill_attention_runs_f32(const float *q, const float *ka, const flo
                 const int64_t t0 = qb * bq, t1 = t0 + bq < n ? t0 + bq : n;
                 const float *kt[2] = {ktr + base[0] + h * D * ldk[0],
                                       ktr + base[1] + h * D * ldk[1]};
-                pr_block(q, kt, ldk, vs, lens, ranges, out, Hq, Hkv, D, qscale, h, t0, t1, bk,
-                         work);
+                pr_block(q, ldq, kt, ldk, vs, ldvs, lens, ranges, out, Hq, Hkv, D, qscale, h, t0,
+                         t1, bk, work);
             }
             free(work);
         }
@@ -1974,5 +2027,67 @@ int kvmesh_prefill_attention_runs_f32(const float *q, const float *ka, const flo
 #endif
     (void)bq;
     (void)force_scalar;
-    return pr_scalar(q, ks, vs, lens, ranges, out, n, Hq, Hkv, D, scale, num_threads);
+    float *deq = NULL;
+    const float *ks[2] = {A->k, kb}, *vs[2] = {A->v, vb};
+    int64_t ldks[2] = {A->ldk, ldkb}, ldvs[2] = {A->ldv, ldvb};
+    if (quant) { /* the scalar loop reads int4 pages dequantized first */
+        deq = (float *)malloc(sizeof(float) * (2 * la * HD > 0 ? 2 * la * HD : 1));
+        if (!deq) return 1;
+        for (int64_t i = 0; i < la / A->bs; i++)
+            for (int64_t h = 0; h < Hkv; h++)
+                int4_page_head(A->P, A->pages[i], A->bs, Hkv, D, h, deq + i * A->bs * HD + h * D,
+                               HD, deq + la * HD + i * A->bs * HD + h * D, HD);
+        ks[0] = deq;
+        vs[0] = deq + la * HD;
+        ldks[0] = ldvs[0] = HD;
+    }
+    const int64_t lens[2] = {la, lb};
+    const int rc = pr_scalar(q, ldq, ks, ldks, vs, ldvs, lens, ranges, out, n, Hq, Hkv, D,
+                             scale, num_threads);
+    free(deq);
+    return rc;
+}
+
+/* Returns 0, 1 (scratch allocation failed) or 2 (bad shape or ranges: a range outside its
+ * run, or a query reading no key; a token row stride shorter than a row). bq, force_scalar
+ * as kvmesh_prefill_attention_f32; bk (<= 0: 256 keys, as the causal kernel; 1.05-1.12x
+ * faster than 64 on an int4 engine's own chunks of a 1,024-token prompt, bench/README.md). */
+int kvmesh_prefill_attention_runs_f32(const float *q, int64_t ldq, const float *ka, int64_t ldka,
+                                      const float *va, int64_t ldva, int64_t la,
+                                      const float *kb, int64_t ldkb, const float *vb,
+                                      int64_t ldvb, int64_t lb, const int64_t *ranges,
+                                      float *out, int64_t n, int64_t Hq, int64_t Hkv, int64_t D,
+                                      float scale, int64_t bq, int64_t bk, int force_scalar,
+                                      int num_threads) {
+    if (pr_checks(ranges, n, la, lb, Hq, Hkv, D)) return 2;
+    const int64_t HD = Hkv * D;
+    if (ldq < Hq * D || ldka < HD || ldva < HD || ldkb < HD || ldvb < HD) return 2;
+    const pr_run_a A = {ka, va, ldka, ldva, NULL, NULL, 0};
+    return pr_run(q, ldq, &A, la, kb, ldkb, vb, ldvb, lb, ranges, out, n, Hq, Hkv, D, scale, bq,
+                  bk, force_scalar, num_threads);
+}
+
+/* The same over run A stored as int4 pages (the pool's components k, ks, kz, v, vs, vz, page
+ * stride in bytes, as kvmesh_dequantize_int4_pages): la = np x bs keys, page ids pages (np,)
+ * each in [0, num_pages), dequantized inside the kernel (K straight into its transposed rows,
+ * V once into scratch) to the bits kvmesh_dequantize_int4_pages gives, so the result is the
+ * float kernel's over those pages. Returns as kvmesh_prefill_attention_runs_f32, and 2 for a
+ * head size int4 cannot take or a page id out of range. */
+int kvmesh_prefill_attention_runs_int4_f32(
+    const float *q, int64_t ldq, const uint8_t *k, const uint8_t *ks, const uint8_t *kz,
+    const uint8_t *v, const uint8_t *vs, const uint8_t *vz, int64_t stride, const int64_t *pages,
+    int64_t np, int64_t num_pages, int64_t bs, const float *kb, int64_t ldkb, const float *vb,
+    int64_t ldvb, int64_t lb, const int64_t *ranges, float *out, int64_t n, int64_t Hq,
+    int64_t Hkv, int64_t D, float scale, int64_t bq, int64_t bk, int force_scalar,
+    int num_threads) {
+    if (np < 0 || bs < 1 || !int4_head_ok(D)) return 2;
+    const int64_t la = np * bs, HD = Hkv * D;
+    if (pr_checks(ranges, n, la, lb, Hq, Hkv, D)) return 2;
+    if (ldq < Hq * D || ldkb < HD || ldvb < HD) return 2;
+    for (int64_t i = 0; i < np; i++)
+        if (pages[i] < 0 || pages[i] >= num_pages) return 2;
+    const qpages P = {k, ks, kz, v, vs, vz, stride};
+    const pr_run_a A = {NULL, NULL, 0, 0, &P, pages, bs};
+    return pr_run(q, ldq, &A, la, kb, ldkb, vb, ldvb, lb, ranges, out, n, Hq, Hkv, D, scale, bq,
+                  bk, force_scalar, num_threads);
 }

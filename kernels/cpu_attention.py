@@ -393,7 +393,7 @@ def prefill_attention_cpu(
 
 def prefill_attention_runs_cpu(
     q: torch.Tensor,
-    run_a: tuple[torch.Tensor, torch.Tensor],
+    run_a: tuple[torch.Tensor, torch.Tensor] | Int4Run,
     run_b: tuple[torch.Tensor, torch.Tensor],
     ranges: torch.Tensor,
     scale: float,
@@ -412,38 +412,92 @@ def prefill_attention_runs_cpu(
     once; query head g reads KV head g // (Hq // Hkv). The twin is SDPA over ``cat(A, B)``
     with the bool mask the ranges make (``worker.attention.own_page``: the complete pages
     dequantized, then the exact pages), equal within float rounding. ``block_q``,
-    ``block_k``, ``force_scalar`` as ``prefill_attention_cpu``."""
-    (ka, va), (kb, vb) = run_a, run_b
+    ``block_k``, ``force_scalar`` as ``prefill_attention_cpu``.
+
+    ``run_a`` may be an ``Int4Run`` instead: int4 pool pages, dequantized inside the kernel
+    (``kvmesh_prefill_attention_runs_int4_f32``) to the bits ``dequantize_int4_pages_cpu``
+    gives them, so the result equals this function's over those dequantized pages, bit for
+    bit. q and run B's k and v are read in place where each token's heads are dense (views of
+    the fused qkv output among them)."""
     if q.dim() != 3:
         raise ValueError(f"q must be (n, Hq, D), got {tuple(q.shape)}")
     n, Hq, D = q.shape
-    for name, k, v in (("run_a", ka, va), ("run_b", kb, vb)):
+    quant = isinstance(run_a, Int4Run)
+    runs = [("run_b", *run_b)] if quant else [("run_a", *run_a), ("run_b", *run_b)]
+    for name, k, v in runs:
         if k.dim() != 3 or v.shape != k.shape or k.shape[2] != D or Hq % max(k.shape[1], 1):
             raise ValueError(
                 f"{name} must be (k, v), each (L, Hkv, {D}) with Hq {Hq} a multiple of Hkv, "
                 f"got {tuple(k.shape)}, {tuple(v.shape)}"
             )
-    Hkv = ka.shape[1]
-    if kb.shape[1] != Hkv:
-        raise ValueError(f"run_a has {Hkv} KV heads, run_b {kb.shape[1]}")
-    for name, t in (("q", q), ("run_a k", ka), ("run_a v", va), ("run_b k", kb), ("run_b v", vb)):
+    kb, vb = run_b
+    Hkv = kb.shape[1]
+    tensors = [("q", q)]
+    tensors += [(f"{name} {c}", t) for name, k, v in runs for c, t in (("k", k), ("v", v))]
+    for name, t in tensors:
         if t.dtype != torch.float32 or t.device.type != "cpu":
             raise ValueError(f"{name} must be a CPU float32 tensor, got {t.dtype} on {t.device}")
     if ranges.shape != (n, 4) or ranges.dtype != torch.int64:
         raise ValueError(f"ranges must be ({n}, 4) int64, got {ranges.dtype} {tuple(ranges.shape)}")
-    q, ka, va, kb, vb = (t.contiguous() for t in (q, ka, va, kb, vb))
+    (q, ldq), (kb, ldkb), (vb, ldvb) = _token_rows(q), _token_rows(kb), _token_rows(vb)
     rg = ranges.contiguous()
     o = _prefill_out(q, out)
-    fn = (library or default_library()).fn("kvmesh_prefill_attention_runs_f32")
-    rc = fn(
-        q.data_ptr(), ka.data_ptr(), va.data_ptr(), ka.shape[0], kb.data_ptr(), vb.data_ptr(),
-        kb.shape[0], rg.data_ptr(), o.data_ptr(), n, Hq, Hkv, D, float(scale), block_q, block_k,
-        int(force_scalar), torch.get_num_threads(),
-    )  # fmt: skip
+    lib = library or default_library()
+    tail = (rg.data_ptr(), o.data_ptr(), n, Hq, Hkv, D, float(scale), block_q, block_k)
+    tail += (int(force_scalar), torch.get_num_threads())
+    if quant:
+        views, ids, bs, la = run_a.checked(Hkv, D)
+        rc = lib.fn("kvmesh_prefill_attention_runs_int4_f32")(
+            q.data_ptr(), ldq, *(views[c].data_ptr() for c in _QUANT_VIEWS),
+            views["k"].stride(0) * views["k"].element_size(), ids.data_ptr(), ids.numel(),
+            views["k"].shape[0], bs, kb.data_ptr(), ldkb, vb.data_ptr(), ldvb, kb.shape[0], *tail,
+        )  # fmt: skip
+    else:
+        (ka, ldka), (va, ldva) = _token_rows(run_a[0]), _token_rows(run_a[1])
+        if ka.shape[1] != Hkv:
+            raise ValueError(f"run_a has {ka.shape[1]} KV heads, run_b {Hkv}")
+        la = ka.shape[0]
+        rc = lib.fn("kvmesh_prefill_attention_runs_f32")(
+            q.data_ptr(), ldq, ka.data_ptr(), ldka, va.data_ptr(), ldva, la, kb.data_ptr(), ldkb,
+            vb.data_ptr(), ldvb, kb.shape[0], *tail,
+        )  # fmt: skip
     return _prefill_done(
         rc,
         o,
         out,
-        f"ranges must lie within the runs ({ka.shape[0]} and {kb.shape[0]} keys) with every "
+        f"ranges must lie within the runs ({la} and {kb.shape[0]} keys) with every "
         "query reading at least one key",
     )
+
+
+class Int4Run:
+    """Run A of ``prefill_attention_runs_cpu`` as int4 pool pages: ``views`` one layer's int4
+    views (``LayerCache.views``), ``pages`` the page ids in key order (each page's bs tokens
+    are that many keys)."""
+
+    def __init__(self, views: dict[str, torch.Tensor], pages: torch.Tensor):
+        self.views, self.pages = views, pages
+
+    def checked(self, Hkv: int, D: int) -> tuple[dict[str, torch.Tensor], torch.Tensor, int, int]:
+        """(views, page ids as contiguous int64, bs, keys), or ValueError naming what is wrong."""
+        views = self.views
+        missing = [c for c in _QUANT_VIEWS if c not in views]
+        if missing:
+            raise ValueError(f"int4 run A needs the views {_QUANT_VIEWS}, missing {missing}")
+        num_pages, bs, H, D2 = views["k"].shape
+        if (H, 2 * D2) != (Hkv, D):
+            raise ValueError(f"int4 pages hold {H} heads of {2 * D2}, the chunk {Hkv} of {D}")
+        if D > 32 and D % 32:
+            raise ValueError(f"int4 pages need a head size divisible by 32 above 32, got {D}")
+        stride = views["k"].stride(0) * views["k"].element_size()
+        for name, t in views.items():
+            if t.device.type != "cpu" or t.stride(0) * t.element_size() != stride:
+                raise ValueError(f"view {name!r} is not a dense component of a page-major pool")
+            if not t[0].is_contiguous():
+                raise ValueError(f"view {name!r} is not a dense component of a page-major pool")
+        ids = self.pages.to(torch.int64).contiguous()
+        if ids.dim() != 1:
+            raise ValueError(f"pages must be one-dimensional, got {tuple(ids.shape)}")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_pages):
+            raise ValueError(f"page ids must lie in [0, {num_pages})")
+        return views, ids, bs, ids.numel() * bs

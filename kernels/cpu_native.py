@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 SOURCES = tuple(
     Path(__file__).with_name(n) for n in ("cpu_attention.c", "cpu_ops.c", "cpu_quant.c")
 )
-ABI = 5
+ABI = 6
 NATIVE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off")
 PORTABLE_FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off")  # scalar paths
 # the AVX2 (+FMA, F16C) path on an AVX-512 machine, for tests: native with AVX-512 turned off
@@ -80,9 +80,19 @@ SIGNATURES = {
     # (q, q row stride, k, k row stride, v, v row stride, out, n, ctx, Hq, Hkv, D, scale, bq,
     #  bk, force_scalar, threads)
     "kvmesh_prefill_attention_f32": [_P, _I, _P, _I, _P, _I, _P] + [_I] * 5 + [_F, _I, _I, _N, _N],
-    # (q, k A, v A, keys in A, k B, v B, keys in B, ranges (n, 4), out, n, Hq, Hkv, D, scale,
-    #  bq, bk, force_scalar, threads)
-    "kvmesh_prefill_attention_runs_f32": [_P, _P, _P, _I, _P, _P, _I, _P, _P, _I, _I, _I, _I]
+    # (q, its row stride, k A, row stride, v A, row stride, keys in A, k B, row stride, v B,
+    #  row stride, keys in B, ranges (n, 4), out, n, Hq, Hkv, D, scale, bq, bk, force_scalar,
+    #  threads)
+    "kvmesh_prefill_attention_runs_f32": [_P, _I, _P, _I, _P, _I, _I, _P, _I, _P, _I, _I, _P, _P]
+    + [_I] * 4
+    + [_F, _I, _I, _N, _N],
+    # (q, its row stride, run A's 6 int4 component bases, page stride in bytes, page ids, pages,
+    #  pool pages, bs, k B, row stride, v B, row stride, keys in B, ranges (n, 4), out, n, Hq,
+    #  Hkv, D, scale, bq, bk, force_scalar, threads)
+    "kvmesh_prefill_attention_runs_int4_f32": [_P, _I]
+    + [_P] * 6
+    + [_I, _P, _I, _I, _I, _P, _I, _P, _I, _I, _P, _P]
+    + [_I] * 4
     + [_F, _I, _I, _N, _N],
 }
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from builds import avx512_no_dq_builds, host_builds
 
-from kvmesh.kernels.cpu_attention import prefill_attention_runs_cpu
+from kvmesh.kernels.cpu_attention import Int4Run, prefill_attention_runs_cpu
 from kvmesh.worker.attention.base import PrefillSpan
 from kvmesh.worker.attention.own_page import own_page_geometry, own_page_mask, own_page_ranges
 
@@ -140,3 +140,83 @@ def test_bad_ranges_are_named(libraries):
         prefill_attention_runs_cpu(q.double(), a, b, ranges, 0.125, library=lib)
     with pytest.raises(ValueError, match="KV heads"):
         prefill_attention_runs_cpu(q, a, (b[0][:, :1], b[1][:, :1]), ranges, 0.125, library=lib)
+
+
+def _int4_run(span, Hkv, D, lib, seed=0):
+    """Run A of ``span`` as int4 pool pages (out of order in a larger pool, real quantized
+    K/V), and the same pages dequantized by ``dequantize_pages`` (the torch twin)."""
+    from kvmesh.kernels.cpu_quant import quantize_pages_into
+    from kvmesh.kernels.page_format import PageLayout
+    from kvmesh.kernels.quant import dequantize_pages
+
+    lq, _, _ = own_page_geometry(span, BS)
+    n = lq // BS
+    layout = PageLayout("int4", 2, Hkv, D, BS)
+    views = layout.views(layout.allocate(n + 7), 1)
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(n, BS, Hkv, D, generator=g) * 2 + torch.randn(Hkv, D, generator=g)
+    v = torch.randn(n, BS, Hkv, D, generator=g)
+    ids = torch.randperm(n + 7, generator=g)[:n]
+    if n:
+        quantize_pages_into("int4", k, v, views, ids, library=lib)
+    ka, va = dequantize_pages("int4", {c: t[ids] for c, t in views.items()})
+    return Int4Run(views, ids), (ka.reshape(-1, Hkv, D), va.reshape(-1, Hkv, D))
+
+
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("q_len,ctx,W,ring_from", [SPANS[0], SPANS[1], SPANS[4], SPANS[7]])
+@pytest.mark.parametrize("Hq,Hkv,D", [(9, 3, 64), (4, 2, 128), (6, 3, 32)])
+def test_int4_pages_read_in_the_kernel_equal_the_dequantized_run(
+    libraries, build, q_len, ctx, W, ring_from, Hq, Hkv, D
+):
+    """Run A as int4 pages (``Int4Run``, dequantized inside the kernel) gives the bits of the
+    float kernel over the same pages dequantized by the torch twin; and the scalar loop's."""
+    lib = libraries[build]
+    span = _span(q_len, ctx, W, ring_from)
+    q, _, b, ranges, _ = _case(span, Hq, Hkv, D, seed=5)
+    run, a = _int4_run(span, Hkv, D, lib, seed=6)
+    want = prefill_attention_runs_cpu(q, a, b, ranges, D**-0.5, library=lib)
+    got = prefill_attention_runs_cpu(q, run, b, ranges, D**-0.5, library=lib)
+    assert torch.equal(got, want)
+    want = prefill_attention_runs_cpu(q, a, b, ranges, D**-0.5, library=lib, force_scalar=True)
+    got = prefill_attention_runs_cpu(q, run, b, ranges, D**-0.5, library=lib, force_scalar=True)
+    assert torch.equal(got, want)
+
+
+def test_q_and_run_b_read_in_place_as_views_of_wider_rows(libraries):
+    """q and the exact run as column slices of one fused (T, (Hq + 2 Hkv) D) tensor, as the
+    engine hands them over: the same result as contiguous copies, no copy needed."""
+    lib = libraries["native"]
+    span = _span(300, 300, 2)
+    q, _, (kb, vb), ranges, want = _case(span, 9, 3, 64, seed=3)
+    q, kb, vb = q[: kb.shape[0]], kb[:300], vb[:300]  # the fresh chunk's own rows
+    fused = torch.cat([t.reshape(300, -1) for t in (q, kb, vb)], dim=1)
+    qv = fused[:, :576].view(300, 9, 64)
+    kv, vv = fused[:, 576:768].view(300, 3, 64), fused[:, 768:].view(300, 3, 64)
+    assert not qv.is_contiguous() and not kv.is_contiguous()
+    run, a = _int4_run(span, 3, 64, lib, seed=4)
+    ranges = ranges[:300]
+    want = prefill_attention_runs_cpu(q, a, (kb, vb), ranges, 0.125, library=lib)
+    got = prefill_attention_runs_cpu(qv, a, (kv, vv), ranges, 0.125, library=lib)
+    assert torch.equal(got, want)
+    got = prefill_attention_runs_cpu(qv, run, (kv, vv), ranges, 0.125, library=lib)
+    assert torch.equal(got, want)
+
+
+def test_bad_int4_runs_are_named(libraries):
+    lib = libraries["native"]
+    span = _span(40, 100, 2)
+    q, _, b, ranges, _ = _case(span, 9, 3, 64)
+    run, _ = _int4_run(span, 3, 64, lib)
+    with pytest.raises(ValueError, match="page ids"):
+        bad = Int4Run(run.views, run.pages.clone().fill_(run.views["k"].shape[0]))
+        prefill_attention_runs_cpu(q, bad, b, ranges, 0.125, library=lib)
+    with pytest.raises(ValueError, match="heads"):
+        prefill_attention_runs_cpu(q, run, tuple(t[:, :1] for t in b), ranges, 0.125, library=lib)
+    with pytest.raises(ValueError, match="missing"):
+        views = {c: t for c, t in run.views.items() if c != "k_zero"}
+        prefill_attention_runs_cpu(q, Int4Run(views, run.pages), b, ranges, 0.125, library=lib)
+    bad = ranges.clone()
+    bad[0, 1] = run.pages.numel() * BS + 1  # past the pages' keys
+    with pytest.raises(ValueError, match="within the runs"):
+        prefill_attention_runs_cpu(q, run, b, bad, 0.125, library=lib)

@@ -100,8 +100,8 @@ def exact_own_pages(
     the step's write, which may reuse the ring's pages), then the chunk's tokens
     ``k/v[start:start + q_len]`` (V as stored: rotated where the format rotates it), zeros
     after ``context_len``. On CPU, a chunk that is all of them (nothing from the ring, whole
-    pages) gets views of k and v themselves, not a copy into a new pair (the runs kernel's
-    wrapper still makes K contiguous; V, rotated into its own tensor, is read in place)."""
+    pages) gets views of k and v themselves, not a copy into a new pair (the runs kernel
+    reads them in place, token rows apart)."""
     bs = block_size
     _, e0, lx = own_page_geometry(span, bs)
     head = span.context_len - span.q_len - e0  # earlier tokens, in the ring
@@ -148,7 +148,8 @@ def own_page_attention(
     torch. ``ranges`` (from ``own_page_ranges``; CPU float32 only): the C kernel reads the
     dequantized pages and the exact ones where they lie, each query its two ranges, in one
     pass (``kernels.cpu_attention.prefill_attention_runs_cpu``) instead of SDPA under
-    ``mask`` over their concatenation (then ``mask`` may be None)."""
+    ``mask`` over their concatenation (then ``mask`` may be None); with ``native``, int4
+    pages are read from the pool and dequantized inside that kernel, to the same bits."""
     import torch.nn.functional as F
 
     from kvmesh.kernels.quant import dequantize_pages
@@ -158,6 +159,12 @@ def own_page_attention(
     xk, xv = exact
     H, D = xk.shape[1:]
     one_pass = ranges is not None
+    if one_pass and native and _int4_in_kernel(cache, q):
+        from kvmesh.kernels.cpu_attention import Int4Run, prefill_attention_runs_cpu
+
+        # int4 pages dequantized inside the kernel: no float copy of them
+        run_a = Int4Run(cache.views, pages)
+        return prefill_attention_runs_cpu(q, run_a, (xk, xv), ranges, scale, out=out)
     # the complete pages, then (for SDPA) the exact ones
     kk = q.new_empty((lq + (0 if one_pass else xk.shape[0]), H, D))
     vv = torch.empty_like(kk)
@@ -191,6 +198,11 @@ def own_page_attention(
         return o[0].transpose(0, 1)
     out.copy_(o[0].transpose(0, 1))
     return out
+
+
+def _int4_in_kernel(cache, q: torch.Tensor) -> bool:
+    """int4 pages of a CPU fp32 engine, which the one-pass C kernel reads itself."""
+    return cache.cache_format == "int4" and q.dtype == torch.float32 and q.device.type == "cpu"
 
 
 def _dequantize_in_c(cache, pages: torch.Tensor, q: torch.Tensor, kk, vv) -> bool:
