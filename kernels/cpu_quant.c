@@ -72,6 +72,12 @@ static inline void quant_sym_row(int fmt, const float *x, int64_t D, uint8_t *q,
 NO_TRAPS static inline float min_as_fminf(float a, float b) { return (a < b || b != b) ? a : b; }
 NO_TRAPS static inline float max_as_fmaxf(float a, float b) { return (a > b || b != b) ? a : b; }
 
+/* scale16 built as the int4 loops are, so that it inlines into them (GCC does not inline
+ * across differing optimize attributes: a call per lane kept those loops scalar) */
+NO_TRAPS static inline _Float16 scale16_nt(float x) {
+    return (_Float16)(x < MIN_SCALE ? MIN_SCALE : x);
+}
+
 NO_TRAPS static inline float code4(float x, float z, float s) {
     const float r = floorf((x - z) / s + 0.5f);
     return r < 0.0f ? 0.0f : (r > 15.0f ? 15.0f : r);
@@ -96,7 +102,7 @@ NO_TRAPS static void quant_int4_k(const float *xk, int64_t bs, int64_t H, int64_
     }
     for (int64_t d = 0; d < D; d++) {
         const _Float16 z = (_Float16)mn[d];
-        const _Float16 s = scale16((mx[d] - (float)z) / 15.0f);
+        const _Float16 s = scale16_nt((mx[d] - (float)z) / 15.0f);
         ks[h * D + d] = s;
         kz[h * D + d] = z;
         zf[d] = (float)z;
@@ -126,10 +132,11 @@ NO_TRAPS static void quant_int4_v_head(const float *xv, int64_t bs, int64_t H, i
                               uint8_t *q, _Float16 *vs, _Float16 *vz) {
     const int64_t g = D < 32 ? D : 32, Gn = D / g, NG = bs * Gn;
     float xt[32][V4_LANES];
-    float mid[V4_LANES], half[V4_LANES], zf[V4_LANES], sf[V4_LANES], err[V4_LANES];
+    float mid[V4_LANES], half[V4_LANES], zf[6][V4_LANES], sf[6][V4_LANES], err[6][V4_LANES];
     float best[V4_LANES], bz[V4_LANES], bsc[V4_LANES], mn[V4_LANES], mx[V4_LANES];
     for (int64_t l0 = 0; l0 < NG; l0 += V4_LANES) {
         const int64_t m = NG - l0 < V4_LANES ? NG - l0 : V4_LANES;
+        const int64_t mp = (m + 15) / 16 * 16; /* lanes computed: whole vectors, not all 64 */
         for (int64_t j = 0; j < m; j++) {
             const int64_t grp = l0 + j, t = grp / Gn, c = grp % Gn;
             const float *xg = xv + (t * H + h) * D + c * g;
@@ -148,34 +155,38 @@ NO_TRAPS static void quant_int4_v_head(const float *xv, int64_t bs, int64_t H, i
             mid[j] = (mn[j] + mx[j]) * 0.5f;
             half[j] = (mx[j] - mn[j]) * 0.5f;
         }
-        for (int64_t j = m; j < V4_LANES; j++) { /* idle lanes: harmless values */
+        for (int64_t j = m; j < mp; j++) { /* idle lanes: harmless values */
             mid[j] = half[j] = 0.0f;
             for (int64_t i = 0; i < g; i++) xt[i][j] = 0.0f;
         }
+        /* every candidate's zero and scale, then their errors side by side (six independent
+         * sums per lane vector, each still over the group's values in order) */
         for (int step = 0; step < 6; step++) {
             const float alpha = (float)((20 - step) / 20.0);
-            for (int64_t j = 0; j < V4_LANES; j++) {
+            for (int64_t j = 0; j < mp; j++) {
                 const _Float16 z = (_Float16)(mid[j] - alpha * half[j]);
-                zf[j] = (float)z;
-                sf[j] = (float)scale16(((mid[j] + alpha * half[j]) - (float)z) / 15.0f);
-                err[j] = 0.0f;
+                zf[step][j] = (float)z;
+                sf[step][j] = (float)scale16_nt(((mid[j] + alpha * half[j]) - (float)z) / 15.0f);
+                err[step][j] = 0.0f;
             }
-            for (int64_t i = 0; i < g; i++)
-                for (int64_t j = 0; j < V4_LANES; j++) {
+        }
+        for (int64_t i = 0; i < g; i++)
+            for (int step = 0; step < 6; step++)
+                for (int64_t j = 0; j < mp; j++) {
                     const float x = xt[i][j];
-                    float r = floorf((x - zf[j]) / sf[j] + 0.5f); /* code4 */
+                    float r = floorf((x - zf[step][j]) / sf[step][j] + 0.5f); /* code4 */
                     r = r < 0.0f ? 0.0f : r;
                     r = r > 15.0f ? 15.0f : r;
-                    const float e = (r * sf[j] + zf[j]) - x;
-                    err[j] += e * e;
+                    const float e = (r * sf[step][j] + zf[step][j]) - x;
+                    err[step][j] += e * e;
                 }
+        for (int step = 0; step < 6; step++) /* the first of the least errors */
             for (int64_t j = 0; j < m; j++)
-                if (step == 0 || err[j] < best[j]) {
-                    best[j] = err[j];
-                    bz[j] = zf[j];
-                    bsc[j] = sf[j];
+                if (step == 0 || err[step][j] < best[j]) {
+                    best[j] = err[step][j];
+                    bz[j] = zf[step][j];
+                    bsc[j] = sf[step][j];
                 }
-        }
         for (int64_t j = 0; j < m; j++) {
             const int64_t grp = l0 + j, t = grp / Gn, c = grp % Gn, r = t * H + h;
             const float *xg = xv + r * D + c * g;
