@@ -6,7 +6,8 @@ Prints one JSON object.
 
 An int4 engine (SmolLM2, prefill chunks of 256 tokens) prefills one prompt of
 ``--prompt-tokens``; every call of ``prefill_attention_runs_cpu`` is recorded (its q, both
-runs and the ranges). The first layer's call of each chunk is then replayed with each
+runs and the ranges; int4 pages, which the engine hands the kernel as they lie in the pool,
+are recorded dequantized, so the replay times the float run A). The first layer's call of each chunk is then replayed with each
 ``block_k`` in turn, ``--rounds`` interleaved rounds, and the best round kept (wall ms for
 all chunks, at the process's torch threads). ``max_abs_diff``: the largest difference of
 any block size's output from the first one's (float rounding only: the kernel sums in
@@ -45,8 +46,13 @@ def main() -> None:
     calls: list[tuple] = []
 
     def record(q, run_a, run_b, ranges, scale, **kw):
-        calls.append((q.clone(), [t.clone() for t in run_a], [t.clone() for t in run_b],
-                      ranges.clone(), scale))  # fmt: skip
+        if isinstance(run_a, cpu_attention.Int4Run):  # the pool's pages: kept dequantized
+            n, (bs, H, D2) = run_a.pages.numel(), run_a.views["k"].shape[1:]
+            a = [torch.empty(n * bs, H, 2 * D2) for _ in range(2)]
+            cpu_attention.dequantize_int4_pages_cpu(run_a.views, run_a.pages, *a)
+        else:
+            a = [t.clone() for t in run_a]
+        calls.append((q.clone(), a, [t.clone() for t in run_b], ranges.clone(), scale))
         return kernel(q, run_a, run_b, ranges, scale, **kw)
 
     cpu_attention.prefill_attention_runs_cpu = record  # own_page_attention imports it per call
