@@ -6,10 +6,11 @@ Prints one JSON object.
 
 An int4 engine (SmolLM2, prefill chunks of 256 tokens) prefills one prompt of
 ``--prompt-tokens``; every call of ``prefill_attention_runs_cpu`` is recorded (its q, both
-runs and the ranges; int4 pages, which the engine hands the kernel as they lie in the pool,
-are recorded dequantized, so the replay times the float run A). The first layer's call of each chunk is then replayed with each
-``block_k`` in turn, ``--rounds`` interleaved rounds, and the best round kept (wall ms for
-all chunks, at the process's torch threads). ``max_abs_diff``: the largest difference of
+runs and the ranges; int4 pages, which the engine hands the kernel as they lie in the
+pool, are recorded dequantized, so the replay times the float run A). The first layer's
+call of each chunk is then replayed with each ``block_k`` in turn, ``--rounds``
+interleaved rounds, and the best round kept (wall ms for all chunks, at the process's torch
+threads). ``max_abs_diff``: the largest difference of
 any block size's output from the first one's (float rounding only: the kernel sums in
 another order).
 """

@@ -1244,14 +1244,9 @@ int kvmesh_decode_attention_quant(int fmt, const float *q, const uint8_t *k, con
                         window, num_threads, 0, 0.0f);
 }
 
-/* int4 pages dequantized to float, kernels.quant.dequantize_pages' twin bit for bit (a code
- * times an fp16 scale is exact in float, so the one rounding is the add, as in torch): pages
- * (n,) of the pool (component bases and page stride in bytes as the decode kernel) -> ko, vo
- * (n, bs, H, D) float32 contiguous. The own-page prefill reads a chunk's complete pages so,
- * straight into its key/value buffers: no gathered copy of the components, no torch passes. */
-/* int4 page pg's KV head h, its bs tokens, as kernels/quant.py dequantizes them (the same
- * bits: code x scale, then + zero, each rounded): token t's K row into kout + t * ldko, its V
- * row into vout + t * ldvo. */
+/* int4 page pg's KV head h, its bs tokens, as kernels/quant.py dequantizes them, bit for bit
+ * (a code times an fp16 scale is exact in float, so the one rounding is the add, as in
+ * torch): token t's K row into kout + t * ldko, its V row into vout + t * ldvo. */
 static inline void int4_page_head(const qpages *P, int64_t pg, int64_t bs, int64_t H, int64_t D,
                                   int64_t h, float *kout, int64_t ldko, float *vout,
                                   int64_t ldvo) {
@@ -1279,8 +1274,15 @@ static inline void int4_page_head(const qpages *P, int64_t pg, int64_t bs, int64
     }
 }
 
-static inline int int4_head_ok(int64_t D) { return D >= 2 && D % 2 == 0 && D % (D < 32 ? D : 32) == 0; }
+static inline int int4_head_ok(int64_t D) {
+    return D >= 2 && D % 2 == 0 && D % (D < 32 ? D : 32) == 0;
+}
 
+/* int4 pages dequantized to float, kernels.quant.dequantize_pages' twin bit for bit: pages
+ * (n,) of the pool (component bases and page stride in bytes as the decode kernel) -> ko, vo
+ * (n, bs, H, D) float32 contiguous. The own-page prefill's SDPA path reads a chunk's complete
+ * pages so, straight into its key/value buffers (the C kernel path reads them itself,
+ * kvmesh_prefill_attention_runs_int4_f32). Returns 0, or 2 for a head size int4 cannot take. */
 int kvmesh_dequantize_int4_pages(const uint8_t *k, const uint8_t *ks, const uint8_t *kz,
                                  const uint8_t *v, const uint8_t *vs, const uint8_t *vz,
                                  int64_t stride, const int64_t *pages, int64_t n, int64_t bs,
@@ -1861,12 +1863,11 @@ static void pr_block(const float *q, int64_t ldq, const float *const *ktr, const
                     ghi = b > ghi ? b : ghi;
                 }
                 if (glo >= ghi) continue;
-                /* columns [c0v, c0v + ncol), whole vectors, inside the bk-wide rows of s: from
-                 * the vector holding glo (bk is a multiple of VW, so they end by bk; the guard
-                 * below is kept for any rounding that would pass it) */
-                const int64_t cs = glo / VW * VW;
-                const int64_t ncol = (ghi - cs + VW - 1) / VW * VW; /* <= bk */
-                const int64_t c0v = cs + ncol > bk ? bk - ncol : cs;
+                /* columns [c0v, c0v + ncol), whole vectors from the one holding glo, inside
+                 * the bk-wide rows of s: c0v + ncol rounds ghi <= nkb <= bk up to a vector, and
+                 * bk is a multiple of VW (pf_vec_ok), so they end by bk */
+                const int64_t c0v = glo / VW * VW;
+                const int64_t ncol = (ghi - c0v + VW - 1) / VW * VW;
 #define PR_QK(MR) pf_qk(qp + r0 * D, D, kt + c0v, ldk[run], bk, s + r0 * bk + c0v, ncol, MR)
                 PF_DISPATCH(mr, PR_QK)
 #undef PR_QK
@@ -1989,13 +1990,13 @@ static int pr_run(const float *q, int64_t ldq, const pr_run_a *A, int64_t la, co
                         int4_page_head(A->P, A->pages[i], bs, Hkv, D, hh, work, D,
                                        vq + i * bs * HD + hh * D, HD);
                         for (int64_t d = 0; d < D; d++) {
-                            float *row = ktr + (hh * D + d) * ld + i * bs;
+                            float *row = ktr + base[0] + (hh * D + d) * ld + i * bs;
                             for (int64_t t = 0; t < bs; t++) row[t] = work[t * D + d];
                         }
                     }
 #pragma omp for schedule(static)
                     for (int64_t hd = 0; hd < Hkv * D; hd++)
-                        for (int64_t j = L; j < ld; j++) ktr[hd * ld + j] = 0.0f;
+                        for (int64_t j = L; j < ld; j++) ktr[base[0] + hd * ld + j] = 0.0f;
                     continue;
                 }
 #pragma omp for schedule(static)
@@ -2008,10 +2009,15 @@ static int pr_run(const float *q, int64_t ldq, const pr_run_a *A, int64_t la, co
                     for (int64_t j = L; j < ld; j++) row[j] = 0.0f;
                 }
             }
+            /* a thread without scratch left keys unwritten: then no thread computes (every
+             * thread reads `failed` after the fills' barriers, so all see the same value) */
+            int skip;
+#pragma omp atomic read
+            skip = failed;
             /* later query blocks read the most keys: first */
 #pragma omp for schedule(dynamic, 1)
             for (int64_t i = 0; i < items; i++) {
-                if (!work) continue;
+                if (!work || skip) continue;
                 const int64_t qb = nqb - 1 - i / Hkv, h = i % Hkv;
                 const int64_t t0 = qb * bq, t1 = t0 + bq < n ? t0 + bq : n;
                 const float *kt[2] = {ktr + base[0] + h * D * ldk[0],

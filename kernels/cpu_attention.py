@@ -442,11 +442,11 @@ def prefill_attention_runs_cpu(
     (q, ldq), (kb, ldkb), (vb, ldvb) = _token_rows(q), _token_rows(kb), _token_rows(vb)
     rg = ranges.contiguous()
     o = _prefill_out(q, out)
-    lib = library or default_library()
     tail = (rg.data_ptr(), o.data_ptr(), n, Hq, Hkv, D, float(scale), block_q, block_k)
     tail += (int(force_scalar), torch.get_num_threads())
     if quant:
         views, ids, bs, la = run_a.checked(Hkv, D)
+        lib = library or default_library()
         rc = lib.fn("kvmesh_prefill_attention_runs_int4_f32")(
             q.data_ptr(), ldq, *(views[c].data_ptr() for c in _QUANT_VIEWS),
             views["k"].stride(0) * views["k"].element_size(), ids.data_ptr(), ids.numel(),
@@ -457,6 +457,7 @@ def prefill_attention_runs_cpu(
         if ka.shape[1] != Hkv:
             raise ValueError(f"run_a has {ka.shape[1]} KV heads, run_b {Hkv}")
         la = ka.shape[0]
+        lib = library or default_library()
         rc = lib.fn("kvmesh_prefill_attention_runs_f32")(
             q.data_ptr(), ldq, ka.data_ptr(), ldka, va.data_ptr(), ldva, la, kb.data_ptr(), ldkb,
             vb.data_ptr(), ldvb, kb.shape[0], *tail,
@@ -480,21 +481,35 @@ class Int4Run:
 
     def checked(self, Hkv: int, D: int) -> tuple[dict[str, torch.Tensor], torch.Tensor, int, int]:
         """(views, page ids as contiguous int64, bs, keys), or ValueError naming what is wrong."""
+        from kvmesh.kernels.quant import quant_components
+
         views = self.views
         missing = [c for c in _QUANT_VIEWS if c not in views]
         if missing:
             raise ValueError(f"int4 run A needs the views {_QUANT_VIEWS}, missing {missing}")
+        if views["k"].dim() != 4:
+            raise ValueError(
+                f"view 'k' must be (pages, bs, H, D / 2), got {tuple(views['k'].shape)}"
+            )
         num_pages, bs, H, D2 = views["k"].shape
         if (H, 2 * D2) != (Hkv, D):
             raise ValueError(f"int4 pages hold {H} heads of {2 * D2}, the chunk {Hkv} of {D}")
-        if D > 32 and D % 32:
-            raise ValueError(f"int4 pages need a head size divisible by 32 above 32, got {D}")
         stride = views["k"].stride(0) * views["k"].element_size()
-        for name, t in views.items():
-            if t.device.type != "cpu" or t.stride(0) * t.element_size() != stride:
-                raise ValueError(f"view {name!r} is not a dense component of a page-major pool")
-            if not t[0].is_contiguous():
-                raise ValueError(f"view {name!r} is not a dense component of a page-major pool")
+        for c in quant_components("int4", bs, H, D):  # a head size int4 cannot take: raises
+            t = views[c.name]
+            if t.dtype != c.dtype or tuple(t.shape) != (num_pages, *c.shape):
+                raise ValueError(
+                    f"view {c.name!r} must be {c.dtype} {(num_pages, *c.shape)}, "
+                    f"got {t.dtype} {tuple(t.shape)}"
+                )
+            dense = t.stride(0) * t.element_size() == stride and t[0].is_contiguous()
+            if t.device.type != "cpu" or not dense:
+                raise ValueError(f"view {c.name!r} is not a dense component of a page-major pool")
+        if self.pages.is_floating_point() or self.pages.device.type != "cpu":
+            raise ValueError(
+                f"pages must be integer page ids on the CPU, got {self.pages.dtype} "
+                f"on {self.pages.device}"
+            )
         ids = self.pages.to(torch.int64).contiguous()
         if ids.dim() != 1:
             raise ValueError(f"pages must be one-dimensional, got {tuple(ids.shape)}")

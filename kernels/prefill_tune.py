@@ -170,7 +170,9 @@ class PrefillTuner:
         (length Lq) and [E(p), p] of the exact run, E(p) its window's first position.
         SDPA as ``own_page_attention`` runs it (the two runs copied into one buffer, the
         masked SDPA in blocks of 256 queries, the copy back to token-major) against the C
-        kernel reading the runs in place."""
+        kernel reading the runs in place. Both over a float run A: the engine dequantizes
+        int4 pages for the SDPA in a separate pass and inside the C kernel, so leaving that
+        work out of both times favours neither more than the one pass it saves C."""
         from kvmesh.kernels.cpu_attention import prefill_attention_runs_cpu
 
         n = tokens

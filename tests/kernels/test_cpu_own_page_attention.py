@@ -164,7 +164,9 @@ def _int4_run(span, Hkv, D, lib, seed=0):
 
 
 @pytest.mark.parametrize("build", BUILDS)
-@pytest.mark.parametrize("q_len,ctx,W,ring_from", [SPANS[0], SPANS[1], SPANS[4], SPANS[7]])
+@pytest.mark.parametrize(
+    "q_len,ctx,W,ring_from", [SPANS[0], SPANS[1], SPANS[4], SPANS[6], SPANS[7]]
+)  # SPANS[6]: no complete page read quantized (no int4 page at all)
 @pytest.mark.parametrize("Hq,Hkv,D", [(9, 3, 64), (4, 2, 128), (6, 3, 32)])
 def test_int4_pages_read_in_the_kernel_equal_the_dequantized_run(
     libraries, build, q_len, ctx, W, ring_from, Hq, Hkv, D
@@ -178,28 +180,42 @@ def test_int4_pages_read_in_the_kernel_equal_the_dequantized_run(
     want = prefill_attention_runs_cpu(q, a, b, ranges, D**-0.5, library=lib)
     got = prefill_attention_runs_cpu(q, run, b, ranges, D**-0.5, library=lib)
     assert torch.equal(got, want)
+    # one query a block and G = 1: a scratch smaller than a page's K tile but for the guard
+    if (Hq, Hkv, D) == (4, 2, 128):
+        q2 = torch.cat([q, q], dim=1)[:, :2]
+        kw = dict(library=lib, block_q=1)
+        want = prefill_attention_runs_cpu(q2, a, b, ranges, D**-0.5, **kw)
+        assert torch.equal(prefill_attention_runs_cpu(q2, run, b, ranges, D**-0.5, **kw), want)
     want = prefill_attention_runs_cpu(q, a, b, ranges, D**-0.5, library=lib, force_scalar=True)
     got = prefill_attention_runs_cpu(q, run, b, ranges, D**-0.5, library=lib, force_scalar=True)
     assert torch.equal(got, want)
 
 
-def test_q_and_run_b_read_in_place_as_views_of_wider_rows(libraries):
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("force_scalar", [False, True])
+def test_runs_read_in_place_as_views_of_wider_rows(libraries, build, force_scalar):
     """q and the exact run as column slices of one fused (T, (Hq + 2 Hkv) D) tensor, as the
-    engine hands them over: the same result as contiguous copies, no copy needed."""
-    lib = libraries["native"]
+    engine hands them over, and run A's k and v as slices of rows of two other widths: the
+    same bits as contiguous copies, in the vector kernel and the scalar loop."""
+    lib = libraries[build]
     span = _span(300, 300, 2)
-    q, _, (kb, vb), ranges, want = _case(span, 9, 3, 64, seed=3)
-    q, kb, vb = q[: kb.shape[0]], kb[:300], vb[:300]  # the fresh chunk's own rows
+    q, (ka, va), (kb, vb), ranges, _ = _case(span, 9, 3, 64, seed=3)
+    kb, vb = kb[:300], vb[:300]  # the fresh chunk's own rows (the run's last page is padding)
     fused = torch.cat([t.reshape(300, -1) for t in (q, kb, vb)], dim=1)
     qv = fused[:, :576].view(300, 9, 64)
     kv, vv = fused[:, 576:768].view(300, 3, 64), fused[:, 768:].view(300, 3, 64)
-    assert not qv.is_contiguous() and not kv.is_contiguous()
-    run, a = _int4_run(span, 3, 64, lib, seed=4)
-    ranges = ranges[:300]
-    want = prefill_attention_runs_cpu(q, a, (kb, vb), ranges, 0.125, library=lib)
-    got = prefill_attention_runs_cpu(qv, a, (kv, vv), ranges, 0.125, library=lib)
+    la = ka.shape[0]
+    kav = torch.cat([ka.reshape(la, -1), torch.randn(la, 7)], dim=1)[:, :192].view(la, 3, 64)
+    vav = torch.cat([torch.randn(la, 64), va.reshape(la, -1)], dim=1)[:, 64:].view(la, 3, 64)
+    assert not any(t.is_contiguous() for t in (qv, kv, vv, kav, vav))
+    assert kav.stride(0) != vav.stride(0) != kv.stride(0)
+    kw = dict(library=lib, force_scalar=force_scalar)
+    want = prefill_attention_runs_cpu(q, (ka, va), (kb, vb), ranges, 0.125, **kw)
+    got = prefill_attention_runs_cpu(qv, (kav, vav), (kv, vv), ranges, 0.125, **kw)
     assert torch.equal(got, want)
-    got = prefill_attention_runs_cpu(qv, run, (kv, vv), ranges, 0.125, library=lib)
+    run, a = _int4_run(span, 3, 64, lib, seed=4)
+    want = prefill_attention_runs_cpu(q, a, (kb, vb), ranges, 0.125, **kw)
+    got = prefill_attention_runs_cpu(qv, run, (kv, vv), ranges, 0.125, **kw)
     assert torch.equal(got, want)
 
 
@@ -215,6 +231,13 @@ def test_bad_int4_runs_are_named(libraries):
         prefill_attention_runs_cpu(q, run, tuple(t[:, :1] for t in b), ranges, 0.125, library=lib)
     with pytest.raises(ValueError, match="missing"):
         views = {c: t for c, t in run.views.items() if c != "k_zero"}
+        prefill_attention_runs_cpu(q, Int4Run(views, run.pages), b, ranges, 0.125, library=lib)
+    with pytest.raises(ValueError, match="integer page ids"):
+        prefill_attention_runs_cpu(
+            q, Int4Run(run.views, run.pages.float()), b, ranges, 0.125, library=lib
+        )
+    with pytest.raises(ValueError, match="k_scale"):
+        views = dict(run.views, k_scale=run.views["k_scale"].float())
         prefill_attention_runs_cpu(q, Int4Run(views, run.pages), b, ranges, 0.125, library=lib)
     bad = ranges.clone()
     bad[0, 1] = run.pages.numel() * BS + 1  # past the pages' keys
