@@ -132,7 +132,7 @@ NO_TRAPS static void quant_int4_v_head(const float *xv, int64_t bs, int64_t H, i
                               uint8_t *q, _Float16 *vs, _Float16 *vz) {
     const int64_t g = D < 32 ? D : 32, Gn = D / g, NG = bs * Gn;
     float xt[32][V4_LANES];
-    float mid[V4_LANES], half[V4_LANES], zf[6][V4_LANES], sf[6][V4_LANES], err[6][V4_LANES];
+    float mid[V4_LANES], half[V4_LANES], zf[V4_LANES], sf[V4_LANES], err[V4_LANES];
     float best[V4_LANES], bz[V4_LANES], bsc[V4_LANES], mn[V4_LANES], mx[V4_LANES];
     for (int64_t l0 = 0; l0 < NG; l0 += V4_LANES) {
         const int64_t m = NG - l0 < V4_LANES ? NG - l0 : V4_LANES;
@@ -159,34 +159,30 @@ NO_TRAPS static void quant_int4_v_head(const float *xv, int64_t bs, int64_t H, i
             mid[j] = half[j] = 0.0f;
             for (int64_t i = 0; i < g; i++) xt[i][j] = 0.0f;
         }
-        /* every candidate's zero and scale, then their errors side by side (six independent
-         * sums per lane vector, each still over the group's values in order) */
         for (int step = 0; step < 6; step++) {
             const float alpha = (float)((20 - step) / 20.0);
             for (int64_t j = 0; j < mp; j++) {
                 const _Float16 z = (_Float16)(mid[j] - alpha * half[j]);
-                zf[step][j] = (float)z;
-                sf[step][j] = (float)scale16_nt(((mid[j] + alpha * half[j]) - (float)z) / 15.0f);
-                err[step][j] = 0.0f;
+                zf[j] = (float)z;
+                sf[j] = (float)scale16_nt(((mid[j] + alpha * half[j]) - (float)z) / 15.0f);
+                err[j] = 0.0f;
             }
-        }
-        for (int64_t i = 0; i < g; i++)
-            for (int step = 0; step < 6; step++)
+            for (int64_t i = 0; i < g; i++)
                 for (int64_t j = 0; j < mp; j++) {
                     const float x = xt[i][j];
-                    float r = floorf((x - zf[step][j]) / sf[step][j] + 0.5f); /* code4 */
+                    float r = floorf((x - zf[j]) / sf[j] + 0.5f); /* code4 */
                     r = r < 0.0f ? 0.0f : r;
                     r = r > 15.0f ? 15.0f : r;
-                    const float e = (r * sf[step][j] + zf[step][j]) - x;
-                    err[step][j] += e * e;
+                    const float e = (r * sf[j] + zf[j]) - x;
+                    err[j] += e * e;
                 }
-        for (int step = 0; step < 6; step++) /* the first of the least errors */
             for (int64_t j = 0; j < m; j++)
-                if (step == 0 || err[step][j] < best[j]) {
-                    best[j] = err[step][j];
-                    bz[j] = zf[step][j];
-                    bsc[j] = sf[step][j];
+                if (step == 0 || err[j] < best[j]) {
+                    best[j] = err[j];
+                    bz[j] = zf[j];
+                    bsc[j] = sf[j];
                 }
+        }
         for (int64_t j = 0; j < m; j++) {
             const int64_t grp = l0 + j, t = grp / Gn, c = grp % Gn, r = t * H + h;
             const float *xg = xv + r * D + c * g;

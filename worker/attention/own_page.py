@@ -201,7 +201,8 @@ def own_page_attention(
 
 
 def _int4_in_kernel(cache, q: torch.Tensor) -> bool:
-    """int4 pages of a CPU fp32 engine, which the one-pass C kernel reads itself."""
+    """int4 pages of a CPU fp32 engine: the C kernels read them (the one-pass kernel itself,
+    the SDPA path through ``_dequantize_in_c``)."""
     return cache.cache_format == "int4" and q.dtype == torch.float32 and q.device.type == "cpu"
 
 
@@ -209,7 +210,7 @@ def _dequantize_in_c(cache, pages: torch.Tensor, q: torch.Tensor, kk, vv) -> boo
     """int4 pages of a CPU fp32 engine dequantized by the C kernels, bit-equal to
     ``dequantize_pages``, straight into ``kk``/``vv``; False where they do not apply (other
     formats or dtypes, the C kernels off or not built): the torch path then runs."""
-    if cache.cache_format != "int4" or q.dtype != torch.float32 or q.device.type != "cpu":
+    if not _int4_in_kernel(cache, q):
         return False
     from kvmesh.kernels import cpu_attention
     from kvmesh.kernels.cpu_native import CpuKernelError, default_library
