@@ -27,7 +27,9 @@ also runs through the real engine on SmolLM2, with ``auto`` as the baseline in t
   over the whole run (prefill included: the issue-21 target's figure) and over the steps
   after the last prefill, the process's CPU seconds for each, and the ratios to ``auto``.
   ``--decode-prompt-tokens 1024`` is the long-context row, where a step's KV reads are a real
-  share of its bytes; ``--formats auto,int4`` runs only those engines.
+  share of its bytes; ``--formats auto,int4`` runs only those engines. Every format's engine
+  stays up and the row runs ``--decode-repeats`` (3) times per format, the formats taking
+  turns: medians, with every run and every round's ratio to ``auto`` in the JSON.
 
 The ``mla`` section (``bench/kv_formats_mla.py``; ``--no-mla`` skips it, ``--mla-only`` runs
 only it) covers DeepSeek-style latent pages: bytes per token and tokens per GiB against a GQA
@@ -49,6 +51,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -148,11 +151,17 @@ def kv_memory(args) -> str:
 
 
 def engine_rows(args) -> dict:
+    """Per format: bytes, perplexity and the decode row. Every format's engine stays up and
+    the decode row runs ``--decode-repeats`` times per format, the formats taking turns (the
+    order reversed every other round), so a slow minute of a shared machine falls on all of
+    them alike; each figure is the median of its runs, ``decode_vs_auto`` the median of the
+    ratios to ``auto``'s run of the same round, and ``decode_runs`` keeps every run."""
     from kvmesh.worker import LLM
     from kvmesh.worker.eval import evaluate_perplexity
 
     texts = {name: path.read_text() for name, path in TEXTS.items()}
     rows: dict = {}
+    llms: dict = {}
     want = {"auto", *args.formats.split(",")}
     for fmt in (f for f in ENGINE_FORMATS if f in want):
         llm = LLM(
@@ -172,10 +181,19 @@ def engine_rows(args) -> dict:
             row[f"ppl_{name}"] = res.ppl
             row[f"ppl_windows_{name}"] = res.windows
             row[f"window_nll_{name}"] = res.window_nll
-        row.update(decode_row(llm, texts["tinyshakespeare"], args))
-        rows[fmt] = row
-        print(f"{fmt}: {row}", file=sys.stderr, flush=True)
+        rows[fmt], llms[fmt] = row, llm
         del llm, eng
+    runs: dict = {fmt: [] for fmt in rows}
+    for i in range(args.decode_repeats):
+        for fmt in list(rows)[:: 1 if i % 2 == 0 else -1]:
+            runs[fmt].append(decode_row(llms[fmt], texts["tinyshakespeare"], args))
+            print(f"decode run {i + 1}/{args.decode_repeats} {fmt}: {runs[fmt][-1]}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+    llms.clear()
+    for fmt, row in rows.items():
+        for key in runs[fmt][0]:
+            row[key] = statistics.median(r[key] for r in runs[fmt])
+        row["decode_runs"] = runs[fmt]
     base = rows["auto"]
     for row in rows.values():
         for name in TEXTS:
@@ -186,11 +204,18 @@ def engine_rows(args) -> dict:
                     math.exp(a - b) - 1
                     for a, b in zip(row[f"window_nll_{name}"], base[f"window_nll_{name}"])
                 ]
-        row["decode_vs_auto"] = row["decode_tokens_per_s"] / base["decode_tokens_per_s"]
-        row["decode_only_vs_auto"] = (
-            row["decode_only_tokens_per_s"] / base["decode_only_tokens_per_s"]
+        pairs = list(zip(row["decode_runs"], base["decode_runs"]))
+        row["decode_vs_auto_runs"] = [
+            r["decode_tokens_per_s"] / b["decode_tokens_per_s"] for r, b in pairs
+        ]
+        row["decode_vs_auto"] = statistics.median(row["decode_vs_auto_runs"])
+        row["decode_only_vs_auto"] = statistics.median(
+            r["decode_only_tokens_per_s"] / b["decode_only_tokens_per_s"] for r, b in pairs
         )
-        row["decode_cpu_vs_auto"] = base["decode_cpu_s"] / row["decode_cpu_s"]  # speed ratio
+        # a speed ratio, by CPU seconds
+        row["decode_cpu_vs_auto"] = statistics.median(
+            b["decode_cpu_s"] / r["decode_cpu_s"] for r, b in pairs
+        )
     return rows
 
 
@@ -212,6 +237,12 @@ def main() -> None:
         type=int,
         default=128,
         help="prompt length of the decode rows (1,024-2,048: KV reads a real share of a step)",
+    )
+    ap.add_argument(
+        "--decode-repeats",
+        type=int,
+        default=3,
+        help="decode row runs per format, the formats taking turns (medians reported)",
     )
     ap.add_argument(
         "--formats",

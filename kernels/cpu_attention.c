@@ -1995,11 +1995,12 @@ static int pr_run(const float *q, int64_t ldq, const pr_run_a *A, int64_t la, co
         if (quant && floats < A->bs * D) floats = A->bs * D; /* an int4 page's K tile */
         const float qscale = scale * PF_LOG2E;
         /* each run's K transposed once per KV head, (Hkv, D, ldk), zero past its length (a
-         * block reads up to bk keys from any start); +16: see kvmesh_prefill_attention_f32.
+         * QK tile reads whole vectors: up to VW - 1 keys past a run's end, pf_qk); +16: see
+         * kvmesh_prefill_attention_f32.
          * int4 pages: their V dequantized into vq, token-major (la, Hkv, D) */
         int64_t ldk[2], base[2];
-        ldk[0] = (la + bk + 15) / 16 * 16 + 16;
-        ldk[1] = (lb + bk + 15) / 16 * 16 + 16;
+        ldk[0] = (la + VW + 15) / 16 * 16 + 16;
+        ldk[1] = (lb + VW + 15) / 16 * 16 + 16;
         base[0] = 0;
         base[1] = Hkv * D * ldk[0];
         const int64_t total = Hkv * D * (ldk[0] + ldk[1]) + (quant ? la * HD : 0);
