@@ -153,8 +153,15 @@ def baseline_library(ref: str, flags: tuple[str, ...]):
 def bench_decode(rounds: int, lib, layers: int, base=None, shapes=None) -> dict:
     """A decode step's attention over ``layers`` layers, each its own pool (as the engine's
     layers are): their KV together is past the L3 cache, so pages come from DRAM as they do
-    in a step of the engine, not from a cache warmed by the call before."""
-    from kvmesh.kernels.cpu_attention import paged_decode_attention_cpu
+    in a step of the engine, not from a cache warmed by the call before. Each format is
+    called as the engine calls it: fp32 through ``paged_decode_attention_cpu``, quantized
+    pages through a ``QuantLayerDecoder`` per layer (checked once) and the step's
+    ``DecodeIndices``."""
+    from kvmesh.kernels.cpu_attention import (
+        DecodeIndices,
+        QuantLayerDecoder,
+        paged_decode_attention_cpu,
+    )
     from kvmesh.kernels.decode_attention import paged_decode_attention_torch
 
     out = {}
@@ -171,18 +178,25 @@ def bench_decode(rounds: int, lib, layers: int, base=None, shapes=None) -> dict:
                     kw.update(residual_k=res, residual_v=res, residual_slots=torch.full((B,), -1))
                 kws.append(kw)
 
-            def c(kws=kws):
+            def engine_call(kws, library, q=q):
+                if kws[0]["fmt"] == "fp32":
+                    return lambda: [paged_decode_attention_cpu(**kw, library=library) for kw in kws]
+                calls = []
                 for kw in kws:
-                    paged_decode_attention_cpu(**kw, library=lib)
+                    dec = QuantLayerDecoder(
+                        fmt=kw["fmt"], cache=kw["cache"], residual_k=kw["residual_k"],
+                        residual_v=kw["residual_v"], library=library,
+                    )  # fmt: skip
+                    idx = DecodeIndices(
+                        kw["block_tables"], kw["context_lens"], kw["residual_slots"],
+                        bs=dec.bs, num_slots=dec.num_slots,
+                    )  # fmt: skip
+                    calls.append((dec, idx))
+                return lambda: [dec.decode(q, idx, 0.125) for dec, idx in calls]
 
-            fns[f"c_{fmt}"] = c
+            fns[f"c_{fmt}"] = engine_call(kws, lib)
             if base is not None and fmt != "int8":
-
-                def cb(kws=kws):
-                    for kw in kws:
-                        paged_decode_attention_cpu(**kw, library=base)
-
-                fns[f"base_c_{fmt}"] = cb
+                fns[f"base_c_{fmt}"] = engine_call(kws, base)
             if fmt == "int4":
 
                 def t(kws=kws):
