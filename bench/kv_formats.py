@@ -191,8 +191,9 @@ def engine_rows(args) -> dict:
                   file=sys.stderr, flush=True)  # fmt: skip
     llms.clear()
     for fmt, row in rows.items():
-        for key in runs[fmt][0]:
-            row[key] = statistics.median(r[key] for r in runs[fmt])
+        for key, first in runs[fmt][0].items():  # counts stay counts: a run's own value
+            pick = statistics.median_low if isinstance(first, int) else statistics.median
+            row[key] = pick(r[key] for r in runs[fmt])
         row["decode_runs"] = runs[fmt]
     base = rows["auto"]
     for row in rows.values():
@@ -256,6 +257,8 @@ def main() -> None:
     ap.add_argument("--mla-tokens", type=int, default=32)
     ap.add_argument("--mla-windows", type=int, default=8)
     args = ap.parse_args()
+    if args.decode_repeats < 1:
+        ap.error(f"--decode-repeats must be at least 1, got {args.decode_repeats}")
     if args.mla_only:
         from kv_formats_mla import mla_rows
 
