@@ -630,16 +630,20 @@ typedef struct {
 } qpages;
 
 /* Prefetching a quantized page ahead of the step that reads it. Part i of n of a page's
- * cache lines: the page steps spread the next pages' prefetches over their loops (a slice
- * per token or per KV head) instead of issuing them all at once. On this project's AMD EPYC
- * (Zen 4) VM a burst of ~66 prefetches a page (an int4 page of 3 heads x 64 x 16 tokens,
- * scales included) bought nothing: the kernel ran as fast with no prefetch at all and ~1.4x
- * slower on pages evicted from cache than on cached ones, while the same prefetches spread
- * over the step made it ~1.4x faster on evicted pages (bench/README, "int4 pass 6"). */
+ * cache lines: the page steps spread the next page's prefetches over their loops (the int4
+ * vector steps a slice per four-token score block or per token for K and per KV head or per
+ * token for V; the steps that dequantize a page first a slice per token) instead of issuing
+ * them all at once. On this project's AMD EPYC (Zen 4) VM a burst of ~66 prefetches a page
+ * (an int4 page of 3 heads x 64 x 16 tokens, scales included) bought nothing on pages evicted
+ * from cache: no look-ahead at all (each page prefetched as its own step starts) ran as fast,
+ * and ~1.4x slower than on cached pages; the same prefetches spread over the step made it
+ * ~1.4x faster there (bench/README, "int4 pass 6"). */
 static inline void prefetch_slice(const uint8_t *p, int64_t n_bytes, int64_t i, int64_t n) {
-    const int64_t lines = (n_bytes + 63) / 64;
+    /* the lines [p, p + n_bytes) touches: a component starts 16-byte aligned, not 64 */
+    const uintptr_t a = (uintptr_t)p & ~(uintptr_t)63;
+    const int64_t lines = (int64_t)(((uintptr_t)p + (uintptr_t)n_bytes - a + 63) / 64);
     for (int64_t x = i * lines / n; x < (i + 1) * lines / n; x++)
-        __builtin_prefetch(p + 64 * x, 0, 2);
+        __builtin_prefetch((const void *)(a + 64 * (uintptr_t)x), 0, 2);
 }
 
 /* K's side of page pg (codes, scales, int4's zeros), part i of n. */
@@ -690,7 +694,7 @@ static inline void dequant_rows(int fmt, const qpages *P, int64_t pg, int64_t j0
         const _Float16 *vs = (const _Float16 *)(P->vs + off) + j0 * H;
         const uint8_t *kd = P->k + off + j0 * H * D, *vd = P->v + off + j0 * H * D;
         for (int64_t r = 0; r < nt * H; r++) {
-            prefetch_part(fmt, P, nxpg, bs, H, D, r, nt * H);
+            if (r % H == 0) prefetch_part(fmt, P, nxpg, bs, H, D, r / H, nt); /* per token */
             const float sk = (float)ks[r], sv = (float)vs[r];
             const uint8_t *kq = kd + r * D, *vq = vd + r * D;
             float *ko = kb + r * D, *vo = vb + r * D;
@@ -717,10 +721,10 @@ static inline void dequant_rows(int fmt, const qpages *P, int64_t pg, int64_t j0
         ksf[i] = (float)ks[i];
         kzf[i] = (float)kz[i];
     }
-    for (int64_t t = 0; t < nt; t++)
+    for (int64_t t = 0; t < nt; t++) {
+        prefetch_part(fmt, P, nxpg, bs, H, D, t, nt);
         for (int64_t h = 0; h < H; h++) {
             const int64_t r = t * H + h;
-            prefetch_part(fmt, P, nxpg, bs, H, D, r, nt * H);
             const uint8_t *kq = kd + r * D2, *vq = vd + r * D2;
             const float *sc = ksf + h * D, *zp = kzf + h * D;
             float *ko = kb + r * D, *vo = vb + r * D;
@@ -735,6 +739,7 @@ static inline void dequant_rows(int fmt, const qpages *P, int64_t pg, int64_t j0
                 for (int64_t i = 0; i < g; i++) voc[i] = voc[i] * s + z;
             }
         }
+    }
 }
 
 #if VEC_PATH
@@ -850,6 +855,20 @@ static inline void deinterleave(VF a, VF b, VF *e, VF *o) {
 #else
     *e = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xD8));
     *o = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8));
+#endif
+}
+
+/* deinterleave's inverse: even dims e and odd dims o -> dims [0, VW) in a, [VW, 2VW) in b. */
+static inline void interleave(VF e, VF o, VF *a, VF *b) {
+#if VEC_PATH == 512
+    const __m512i ia = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i ib = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+    *a = _mm512_permutex2var_ps(e, ia, o);
+    *b = _mm512_permutex2var_ps(e, ib, o);
+#else
+    const __m256 lo = _mm256_unpacklo_ps(e, o), hi = _mm256_unpackhi_ps(e, o);
+    *a = _mm256_permute2f128_ps(lo, hi, 0x20);
+    *b = _mm256_permute2f128_ps(lo, hi, 0x31);
 #endif
 }
 
@@ -1073,9 +1092,9 @@ static inline __attribute__((always_inline)) void page_int4_fast(
         }
         return;
     }
-    if (nxpg >= 0) prefetch_v_part(QFMT_INT4, P, nxpg, bs, Hkv, D, 0, 1);
     for (int64_t i = 0; i < Hq * Gn; i++) zsum[i] = 0.0f;
-    for (int64_t j = 0; j < nt; j++) /* token-major: an accumulator's updates 1 row apart */
+    for (int64_t j = 0; j < nt; j++) { /* token-major: an accumulator's updates 1 row apart */
+        if (nxpg >= 0) prefetch_v_part(QFMT_INT4, P, nxpg, bs, Hkv, D, j, nt);
         for (int64_t h = 0; h < Hkv; h++) {
             const int64_t r = j * Hkv + h;
             VF lo[C2MAX], hi[C2MAX];
@@ -1092,6 +1111,7 @@ static inline __attribute__((always_inline)) void page_int4_fast(
                 for (int64_t k = 0; k < Gn; k++) zsum[gi * Gn + k] += p * zv[k];
             }
         }
+    }
     for (int64_t gi = 0; gi < Hq; gi++)
         for (int64_t c = 0; c < C2; c++) {
             const VF z = VSET1(zsum[gi * Gn + (2 * VW * c) / 32]);
@@ -1177,8 +1197,6 @@ static void seq_quant(int fmt, const float *qb, const qpages *P, const float *re
                                scale, fscr, nxpg);
             continue;
         }
-#endif
-#if VEC_PATH
         if (split) { /* a residual page: a float step, on accumulators in dim order */
             unsplit_rows(acc, Hq, D, fscr);
             split = 0;
@@ -1295,6 +1313,39 @@ static inline void int4_page_head(const qpages *P, int64_t pg, int64_t bs, int64
     const _Float16 *sc = (const _Float16 *)(P->ks + off) + h * D;
     const _Float16 *zp = (const _Float16 *)(P->kz + off) + h * D;
     const _Float16 *vsp = (const _Float16 *)(P->vs + off), *vzp = (const _Float16 *)(P->vz + off);
+#if VEC_PATH
+    if (int4_fast_ok(D)) { /* whole vectors of codes: the same products and sums as below,
+                            * in vector registers (a multiply, then an add: bit for bit) */
+        const int64_t C2 = D / (2 * VW);
+        VF s2[2 * C2MAX], z2[2 * C2MAX]; /* K's per-dim scales and zeros, dim order */
+        for (int64_t c = 0; c < 2 * C2; c++) {
+            s2[c] = ldv_h(sc + VW * c);
+            z2[c] = ldv_h(zp + VW * c);
+        }
+        for (int64_t t = 0; t < bs; t++) {
+            const int64_t r = t * H + h;
+            const uint8_t *kb = P->k + off + r * D2, *vb = P->v + off + r * D2;
+            float *kr = kout + t * ldko, *vr = vout + t * ldvo;
+            for (int64_t c = 0; c < C2; c++) {
+                VF e, o, a, b;
+                int4_split(kb + VW * c, &e, &o);
+                interleave(e, o, &a, &b);
+                VSTORE(kr + 2 * VW * c, VADD(VMUL(a, s2[2 * c]), z2[2 * c]));
+                VSTORE(kr + 2 * VW * c + VW, VADD(VMUL(b, s2[2 * c + 1]), z2[2 * c + 1]));
+                int4_split(vb + VW * c, &e, &o);
+                interleave(e, o, &a, &b);
+                /* a value group is 32 dims: one scale and zero for both halves when VW = 16,
+                 * for both vectors of this chunk (32 dims) when VW = 8 */
+                const int64_t g0 = (2 * VW * c) / 32, g1 = (2 * VW * c + VW) / 32;
+                const VF s0 = VSET1((float)vsp[r * Gn + g0]), zz0 = VSET1((float)vzp[r * Gn + g0]);
+                const VF s1 = VSET1((float)vsp[r * Gn + g1]), zz1 = VSET1((float)vzp[r * Gn + g1]);
+                VSTORE(vr + 2 * VW * c, VADD(VMUL(a, s0), zz0));
+                VSTORE(vr + 2 * VW * c + VW, VADD(VMUL(b, s1), zz1));
+            }
+        }
+        return;
+    }
+#endif
     for (int64_t t = 0; t < bs; t++) {
         const int64_t r = t * H + h;
         const uint8_t *kb = P->k + off + r * D2, *vb = P->v + off + r * D2;
@@ -1999,8 +2050,8 @@ static int pr_run(const float *q, int64_t ldq, const pr_run_a *A, int64_t la, co
          * kvmesh_prefill_attention_f32.
          * int4 pages: their V dequantized into vq, token-major (la, Hkv, D) */
         int64_t ldk[2], base[2];
-        ldk[0] = (la + VW + 15) / 16 * 16 + 16;
-        ldk[1] = (lb + VW + 15) / 16 * 16 + 16;
+        ldk[0] = (la + VW + 31) / 32 * 32 + 16; /* 16 mod 32: never a power of two */
+        ldk[1] = (lb + VW + 31) / 32 * 32 + 16;
         base[0] = 0;
         base[1] = Hkv * D * ldk[0];
         const int64_t total = Hkv * D * (ldk[0] + ldk[1]) + (quant ? la * HD : 0);

@@ -329,7 +329,7 @@ def test_hadamard_is_bit_equal_to_the_torch_rotation(libraries, build):
 
 
 @pytest.mark.parametrize("build", BUILDS)
-@pytest.mark.parametrize("H,D", [(3, 64), (2, 128), (2, 20)])
+@pytest.mark.parametrize("H,D", [(3, 64), (2, 128), (4, 32), (1, 256), (2, 20)])
 def test_int4_pages_dequantized_in_c_equal_the_torch_twin_bit_for_bit(libraries, build, H, D):
     """The own-page prefill's page read (kvmesh_dequantize_int4_pages) against
     ``dequantize_pages`` on the same pool pages, in any order and repeated: the same bits."""
