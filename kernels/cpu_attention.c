@@ -630,14 +630,14 @@ typedef struct {
 } qpages;
 
 /* Prefetching a quantized page ahead of the step that reads it. Part i of n of a page's
- * cache lines: the page steps spread the next page's prefetches over their loops (the int4
- * vector steps a slice per four-token score block or per token for K and per KV head or per
- * token for V; the steps that dequantize a page first a slice per token) instead of issuing
- * them all at once. On this project's AMD EPYC (Zen 4) VM a burst of ~66 prefetches a page
- * (an int4 page of 3 heads x 64 x 16 tokens, scales included) bought nothing on pages evicted
- * from cache: no look-ahead at all (each page prefetched as its own step starts) ran as fast,
- * and ~1.4x slower than on cached pages; the same prefetches spread over the step made it
- * ~1.4x faster there (bench/README, "int4 pass 6"). */
+ * cache lines: the page steps spread the prefetches of the page QPF - 1 ahead over their
+ * loops (the int4 vector steps a slice per four-token score block or per token for K and
+ * per KV head or per token for V; the steps that dequantize a page first a slice per token)
+ * instead of issuing them all at once. On this project's AMD EPYC (Zen 4) VM a burst of ~66
+ * prefetches a page (an int4 page of 3 heads x 64 x 16 tokens, scales included) bought
+ * nothing on pages evicted from cache: no look-ahead at all (each page prefetched as its own
+ * step starts) ran as fast, and ~1.4x slower than on cached pages; the same prefetches spread
+ * over the step made it ~1.4x faster there (bench/README, "int4 pass 6"). */
 static inline void prefetch_slice(const uint8_t *p, int64_t n_bytes, int64_t i, int64_t n) {
     /* the lines [p, p + n_bytes) touches: a component starts 16-byte aligned, not 64 */
     const uintptr_t a = (uintptr_t)p & ~(uintptr_t)63;
@@ -1334,13 +1334,11 @@ static inline void int4_page_head(const qpages *P, int64_t pg, int64_t bs, int64
                 VSTORE(kr + 2 * VW * c + VW, VADD(VMUL(b, s2[2 * c + 1]), z2[2 * c + 1]));
                 int4_split(vb + VW * c, &e, &o);
                 interleave(e, o, &a, &b);
-                /* a value group is 32 dims: one scale and zero for both halves when VW = 16,
-                 * for both vectors of this chunk (32 dims) when VW = 8 */
-                const int64_t g0 = (2 * VW * c) / 32, g1 = (2 * VW * c + VW) / 32;
-                const VF s0 = VSET1((float)vsp[r * Gn + g0]), zz0 = VSET1((float)vzp[r * Gn + g0]);
-                const VF s1 = VSET1((float)vsp[r * Gn + g1]), zz1 = VSET1((float)vzp[r * Gn + g1]);
-                VSTORE(vr + 2 * VW * c, VADD(VMUL(a, s0), zz0));
-                VSTORE(vr + 2 * VW * c + VW, VADD(VMUL(b, s1), zz1));
+                /* a chunk: 2 VW (16 or 32) dims from a multiple of 2 VW, so in one 32-dim group */
+                const int64_t grp = (2 * VW * c) / 32;
+                const VF s0 = VSET1((float)vsp[r * Gn + grp]), z0 = VSET1((float)vzp[r * Gn + grp]);
+                VSTORE(vr + 2 * VW * c, VADD(VMUL(a, s0), z0));
+                VSTORE(vr + 2 * VW * c + VW, VADD(VMUL(b, s0), z0));
             }
         }
         return;
