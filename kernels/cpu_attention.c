@@ -646,9 +646,10 @@ static inline void prefetch_slice(const uint8_t *p, int64_t n_bytes, int64_t i, 
         __builtin_prefetch((const void *)(a + 64 * (uintptr_t)x), 0, 2);
 }
 
-/* K's side of page pg (codes, scales, int4's zeros), part i of n. */
+/* K's side of page pg (codes, scales, int4's zeros), part i of n (pg < 0: nothing). */
 static inline void prefetch_k_part(int fmt, const qpages *P, int64_t pg, int64_t bs, int64_t H,
                                    int64_t D, int64_t i, int64_t n) {
+    if (pg < 0) return;
     const int64_t off = pg * P->stride;
     if (fmt == QFMT_INT4) {
         prefetch_slice(P->k + off, bs * H * (D / 2), i, n);
@@ -660,9 +661,10 @@ static inline void prefetch_k_part(int fmt, const qpages *P, int64_t pg, int64_t
     }
 }
 
-/* V's side of page pg, part i of n. */
+/* V's side of page pg, part i of n (pg < 0: nothing). */
 static inline void prefetch_v_part(int fmt, const qpages *P, int64_t pg, int64_t bs, int64_t H,
                                    int64_t D, int64_t i, int64_t n) {
+    if (pg < 0) return;
     const int64_t off = pg * P->stride;
     if (fmt == QFMT_INT4) {
         const int64_t Gn = D / (D < 32 ? D : 32);
@@ -678,7 +680,6 @@ static inline void prefetch_v_part(int fmt, const qpages *P, int64_t pg, int64_t
 /* The whole page, part i of n (pg < 0: nothing). */
 static inline void prefetch_part(int fmt, const qpages *P, int64_t pg, int64_t bs, int64_t H,
                                  int64_t D, int64_t i, int64_t n) {
-    if (pg < 0) return;
     prefetch_k_part(fmt, P, pg, bs, H, D, i, n);
     prefetch_v_part(fmt, P, pg, bs, H, D, i, n);
 }
@@ -1033,7 +1034,7 @@ static inline __attribute__((always_inline)) void page_int4_fast(
     /* scores, four tokens at a time */
     for (int64_t j = 0; j < nt; j += 4) {
         const int64_t n4 = nt - j < 4 ? nt - j : 4;
-        if (nxpg >= 0) prefetch_k_part(QFMT_INT4, P, nxpg, bs, Hkv, D, j / 4, n_iter);
+        prefetch_k_part(QFMT_INT4, P, nxpg, bs, Hkv, D, j / 4, n_iter);
         for (int64_t h = 0; h < Hkv; h++) {
             for (int64_t t = 0; t < 4; t++) {
                 if (t >= n4) {
@@ -1078,7 +1079,7 @@ static inline __attribute__((always_inline)) void page_int4_fast(
     if (G * 2 * C2 <= 16 && G <= 4) { /* a KV head's accumulators fit in registers */
         for (int64_t h = 0; h < Hkv; h++) {
             const uint8_t *vh = vd + h * D2;
-            if (nxpg >= 0) prefetch_v_part(QFMT_INT4, P, nxpg, bs, Hkv, D, h, Hkv);
+            prefetch_v_part(QFMT_INT4, P, nxpg, bs, Hkv, D, h, Hkv);
             const float *sh = s + h * G * bs;
             float *ah = acc + h * G * D;
             if (G == 1) /* G a constant: the loops unroll and a[] lives in registers */
@@ -1094,7 +1095,7 @@ static inline __attribute__((always_inline)) void page_int4_fast(
     }
     for (int64_t i = 0; i < Hq * Gn; i++) zsum[i] = 0.0f;
     for (int64_t j = 0; j < nt; j++) { /* token-major: an accumulator's updates 1 row apart */
-        if (nxpg >= 0) prefetch_v_part(QFMT_INT4, P, nxpg, bs, Hkv, D, j, nt);
+        prefetch_v_part(QFMT_INT4, P, nxpg, bs, Hkv, D, j, nt);
         for (int64_t h = 0; h < Hkv; h++) {
             const int64_t r = j * Hkv + h;
             VF lo[C2MAX], hi[C2MAX];
