@@ -1511,6 +1511,38 @@ void kvmesh_hadamard_rows_(float *x, int64_t n, int64_t D, int64_t block, float 
     hadamard_rows(x, n, D, block, scale);
 }
 
+/* A quantized cache's exact run for one prefill chunk (worker/attention/own_page.py,
+ * exact_own_pages), in one call instead of ~10 torch ops a layer: out_k, out_v (lx, HD)
+ * each get rows [0, head) from the request's residual ring (res_k/res_v (R, bs, HD), ring
+ * pages ring[0..nring), whole pages in order, their first head rows), rows [head, head + n)
+ * from the chunk's k, v (token rows ldk, ldv floats apart), zeros after. rot_block > 0: the
+ * ring's V rows (stored rotated) are rotated back as kvmesh_hadamard_f32 rotates them (the
+ * rotation is its own inverse), over D-wide heads. Returns 0, or 2 for bad sizes or a ring
+ * page out of range. */
+int kvmesh_exact_rows_f32(const float *res_k, const float *res_v, int64_t R, const int64_t *ring,
+                          int64_t nring, int64_t bs, const float *k, int64_t ldk, const float *v,
+                          int64_t ldv, int64_t n, int64_t head, int64_t lx, int64_t HD, int64_t D,
+                          float *out_k, float *out_v, int64_t rot_block, float rot_scale) {
+    if (bs < 1 || HD < 1 || D < 1 || HD % D || n < 0 || head < 0 || nring < 0) return 2;
+    if (head > nring * bs || head + n > lx || ldk < HD || ldv < HD) return 2;
+    if (rot_block < 0 || (rot_block & (rot_block - 1)) || (rot_block && D % rot_block)) return 2;
+    for (int64_t i = 0; i < nring; i++)
+        if (ring[i] < 0 || ring[i] >= R) return 2;
+    for (int64_t r = 0; r < head; r++) {
+        const int64_t off = (ring[r / bs] * bs + r % bs) * HD;
+        memcpy(out_k + r * HD, res_k + off, sizeof(float) * HD);
+        memcpy(out_v + r * HD, res_v + off, sizeof(float) * HD);
+    }
+    for (int64_t t = 0; t < n; t++) {
+        memcpy(out_k + (head + t) * HD, k + t * ldk, sizeof(float) * HD);
+        memcpy(out_v + (head + t) * HD, v + t * ldv, sizeof(float) * HD);
+    }
+    memset(out_k + (head + n) * HD, 0, sizeof(float) * (lx - head - n) * HD);
+    memset(out_v + (head + n) * HD, 0, sizeof(float) * (lx - head - n) * HD);
+    if (rot_block) hadamard_rows(out_v, head, HD, rot_block, rot_scale);
+    return 0;
+}
+
 /* kvmesh_decode_attention_quant, then the output rotated back (int4 keeps V rotated): out
  * as kvmesh_hadamard_f32(out, block, scale) leaves it. rot_block 0: no rotation; else a power
  * of two dividing D (2 if not). */
@@ -1842,11 +1874,17 @@ int kvmesh_prefill_attention_f32(const float *q, int64_t ldq, const float *k, in
  * causal kernel's (pf_qk, pf_pv, pf_exp2 above); a key block's columns start at the first key
  * some row of the micro-tile reads, and each row keeps the lanes of its own range. Every
  * query must read at least one key.
+ * rot_block > 0 (int4 keeps V rotated, as kvmesh_hadamard_f32(v, rot_block, rot_scale) leaves
+ * it): run A's V holds rotated rows and run B's plain ones, and the output is plain: each
+ * row's sum over run A is rotated back before run B's keys add to it (the rotation is
+ * linear, so the softmax's later rescales commute with it). That saves rotating the chunk's
+ * V and the whole output in separate passes (worker/attention/torch_backend.py).
  * ---------------------------------------------------------------------------------------- */
 static int pr_scalar(const float *q, int64_t ldq, const float *const *ks,
                      const int64_t *ldks, const float *const *vs, const int64_t *ldvs,
                      const int64_t *lens, const int64_t *ranges, float *out, int64_t n,
-                     int64_t Hq, int64_t Hkv, int64_t D, float scale, int num_threads) {
+                     int64_t Hq, int64_t Hkv, int64_t D, float scale, int64_t rot_block,
+                     float rot_scale, int num_threads) {
     const int64_t G = Hq / Hkv;
     const int64_t cap = lens[0] + lens[1] > 0 ? lens[0] + lens[1] : 1;
     int failed = 0;
@@ -1881,11 +1919,13 @@ static int pr_scalar(const float *q, int64_t ldq, const float *const *ks,
             float *o = out + (t * Hq + g) * D;
             for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
             ns = 0;
-            for (int run = 0; run < 2; run++)
+            for (int run = 0; run < 2; run++) {
                 for (int64_t j = ranges[t * 4 + 2 * run]; j < ranges[t * 4 + 2 * run + 1]; j++) {
                     const float *vr = vs[run] + j * ldvs[run] + h * D, p = s[ns++];
                     for (int64_t d = 0; d < D; d++) o[d] += p * vr[d];
                 }
+                if (run == 0 && rot_block) hadamard_rows(o, 1, D, rot_block, rot_scale);
+            }
             const float inv = 1.0f / l;
             for (int64_t d = 0; d < D; d++) o[d] *= inv;
         }
@@ -1915,7 +1955,8 @@ static inline VF pr_keep_in(VF x, int64_t lo, int64_t hi, VF fill) {
 static void pr_block(const float *q, int64_t ldq, const float *const *ktr, const int64_t *ldk,
                      const float *const *vs, const int64_t *ldvs, const int64_t *lens,
                      const int64_t *ranges, float *out, int64_t Hq, int64_t Hkv, int64_t D,
-                     float qscale, int64_t h, int64_t t0, int64_t t1, int64_t bk, float *work) {
+                     float qscale, int64_t h, int64_t t0, int64_t t1, int64_t bk,
+                     int64_t rot_block, float rot_scale, float *work) {
     const int64_t G = Hq / Hkv, R = (t1 - t0) * G;
     float *qp = work, *o = qp + R * D, *s = o + R * D;
     float *m = s + R * bk, *l = m + R, *alpha = l + R;
@@ -1926,6 +1967,7 @@ static void pr_block(const float *q, int64_t ldq, const float *const *ktr, const
         l[r] = 0.0f;
     }
     memset(o, 0, sizeof(float) * R * D);
+    int a_read = 0; /* some row of the block read run A */
     for (int run = 0; run < 2; run++) {
         /* the keys of this run any query of the block reads */
         int64_t jlo = lens[run], jhi = 0;
@@ -1935,6 +1977,11 @@ static void pr_block(const float *q, int64_t ldq, const float *const *ktr, const
             jlo = a < jlo ? a : jlo;
             jhi = b > jhi ? b : jhi;
         }
+        if (run == 0) a_read = jlo < jhi;
+        /* run A's V rotated (int4's Hadamard, rot_block > 0), run B's plain: the rows' sums
+         * over run A turned back before run B adds to them (the rotation is linear, so the
+         * later rescales by alpha commute with it) */
+        if (run == 1 && rot_block && a_read) hadamard_rows(o, R, D, rot_block, rot_scale);
         const float *vrun = vs[run] + h * D;
         const int64_t vstride = ldvs[run];
         for (int64_t j0 = jlo; j0 < jhi; j0 += bk) {
@@ -2015,6 +2062,11 @@ typedef struct {
     int64_t bs;
 } pr_run_a;
 
+/* rot_block: 0 (no rotation) or a power of two dividing D */
+static int pr_rot_ok(int64_t rot_block, int64_t D) {
+    return rot_block >= 0 && !(rot_block & (rot_block - 1)) && (!rot_block || D % rot_block == 0);
+}
+
 static int pr_checks(const int64_t *ranges, int64_t n, int64_t la, int64_t lb, int64_t Hq,
                      int64_t Hkv, int64_t D) {
     if (n < 0 || la < 0 || lb < 0 || Hkv < 1 || Hq % Hkv || D < 1) return 2;
@@ -2030,8 +2082,8 @@ static int pr_checks(const int64_t *ranges, int64_t n, int64_t la, int64_t lb, i
 static int pr_run(const float *q, int64_t ldq, const pr_run_a *A, int64_t la, const float *kb,
                   int64_t ldkb, const float *vb, int64_t ldvb, int64_t lb,
                   const int64_t *ranges, float *out, int64_t n, int64_t Hq, int64_t Hkv,
-                  int64_t D, float scale, int64_t bq, int64_t bk, int force_scalar,
-                  int num_threads) {
+                  int64_t D, float scale, int64_t bq, int64_t bk, int64_t rot_block,
+                  float rot_scale, int force_scalar, int num_threads) {
     if (n == 0) return 0;
     const int64_t HD = Hkv * D;
     if (bq <= 0) bq = Hq / Hkv <= 3 ? 64 : (192 / (Hq / Hkv) > 16 ? 192 / (Hq / Hkv) : 16);
@@ -2115,7 +2167,7 @@ static int pr_run(const float *q, int64_t ldq, const pr_run_a *A, int64_t la, co
                 const float *kt[2] = {ktr + base[0] + h * D * ldk[0],
                                       ktr + base[1] + h * D * ldk[1]};
                 pr_block(q, ldq, kt, ldk, vs, ldvs, lens, ranges, out, Hq, Hkv, D, qscale, h, t0,
-                         t1, bk, work);
+                         t1, bk, rot_block, rot_scale, work);
             }
             free(work);
         }
@@ -2141,7 +2193,7 @@ static int pr_run(const float *q, int64_t ldq, const pr_run_a *A, int64_t la, co
     }
     const int64_t lens[2] = {la, lb};
     const int rc = pr_scalar(q, ldq, ks, ldks, vs, ldvs, lens, ranges, out, n, Hq, Hkv, D,
-                             scale, num_threads);
+                             scale, rot_block, rot_scale, num_threads);
     free(deq);
     return rc;
 }
@@ -2155,14 +2207,14 @@ int kvmesh_prefill_attention_runs_f32(const float *q, int64_t ldq, const float *
                                       const float *kb, int64_t ldkb, const float *vb,
                                       int64_t ldvb, int64_t lb, const int64_t *ranges,
                                       float *out, int64_t n, int64_t Hq, int64_t Hkv, int64_t D,
-                                      float scale, int64_t bq, int64_t bk, int force_scalar,
-                                      int num_threads) {
-    if (pr_checks(ranges, n, la, lb, Hq, Hkv, D)) return 2;
+                                      float scale, int64_t bq, int64_t bk, int64_t rot_block,
+                                      float rot_scale, int force_scalar, int num_threads) {
+    if (pr_checks(ranges, n, la, lb, Hq, Hkv, D) || !pr_rot_ok(rot_block, D)) return 2;
     const int64_t HD = Hkv * D;
     if (ldq < Hq * D || ldka < HD || ldva < HD || ldkb < HD || ldvb < HD) return 2;
     const pr_run_a A = {ka, va, ldka, ldva, NULL, NULL, 0};
     return pr_run(q, ldq, &A, la, kb, ldkb, vb, ldvb, lb, ranges, out, n, Hq, Hkv, D, scale, bq,
-                  bk, force_scalar, num_threads);
+                  bk, rot_block, rot_scale, force_scalar, num_threads);
 }
 
 /* The same over run A stored as int4 pages (the pool's components k, ks, kz, v, vs, vz, page
@@ -2176,9 +2228,9 @@ int kvmesh_prefill_attention_runs_int4_f32(
     const uint8_t *v, const uint8_t *vs, const uint8_t *vz, int64_t stride, const int64_t *pages,
     int64_t np, int64_t num_pages, int64_t bs, const float *kb, int64_t ldkb, const float *vb,
     int64_t ldvb, int64_t lb, const int64_t *ranges, float *out, int64_t n, int64_t Hq,
-    int64_t Hkv, int64_t D, float scale, int64_t bq, int64_t bk, int force_scalar,
-    int num_threads) {
-    if (np < 0 || bs < 1 || !int4_head_ok(D)) return 2;
+    int64_t Hkv, int64_t D, float scale, int64_t bq, int64_t bk, int64_t rot_block,
+    float rot_scale, int force_scalar, int num_threads) {
+    if (np < 0 || bs < 1 || !int4_head_ok(D) || !pr_rot_ok(rot_block, D)) return 2;
     const int64_t la = np * bs, HD = Hkv * D;
     if (pr_checks(ranges, n, la, lb, Hq, Hkv, D)) return 2;
     if (ldq < Hq * D || ldkb < HD || ldvb < HD) return 2;
@@ -2187,5 +2239,5 @@ int kvmesh_prefill_attention_runs_int4_f32(
     const qpages P = {k, ks, kz, v, vs, vz, stride};
     const pr_run_a A = {NULL, NULL, 0, 0, &P, pages, bs};
     return pr_run(q, ldq, &A, la, kb, ldkb, vb, ldvb, lb, ranges, out, n, Hq, Hkv, D, scale, bq,
-                  bk, force_scalar, num_threads);
+                  bk, rot_block, rot_scale, force_scalar, num_threads);
 }

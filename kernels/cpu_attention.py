@@ -403,6 +403,7 @@ def prefill_attention_runs_cpu(
     block_q: int = 0,
     block_k: int = 0,
     force_scalar: bool = False,
+    a_rotation: int | None = None,
 ) -> torch.Tensor:
     """Prefill attention over two runs of keys in C (``kvmesh_prefill_attention_runs_f32``),
     token-major: q (n, Hq, D), ``run_a`` = (k, v) each (La, Hkv, D), ``run_b`` = (k, v) each
@@ -418,7 +419,14 @@ def prefill_attention_runs_cpu(
     (``kvmesh_prefill_attention_runs_int4_f32``) to the bits ``dequantize_int4_pages_cpu``
     gives them, so the result equals this function's over those dequantized pages, bit for
     bit. q and run B's k and v are read in place where each token's heads are dense (views of
-    the fused qkv output among them)."""
+    the fused qkv output among them).
+
+    ``a_rotation`` (a block size; int4 keeps V rotated): run A's V holds rows rotated as
+    ``kernels.quant.hadamard_transform(v, a_rotation)`` leaves them and run B's V plain ones,
+    and the output is plain: the result equals ``hadamard_transform`` of this function's
+    output with run B's V rotated too, within float rounding. Each row's sum over run A is
+    rotated back inside the kernel, so the caller rotates neither the chunk's V nor the
+    output."""
     if q.dim() != 3:
         raise ValueError(f"q must be (n, Hq, D), got {tuple(q.shape)}")
     n, Hq, D = q.shape
@@ -440,10 +448,13 @@ def prefill_attention_runs_cpu(
     if ranges.shape != (n, 4) or ranges.dtype != torch.int64:
         raise ValueError(f"ranges must be ({n}, 4) int64, got {ranges.dtype} {tuple(ranges.shape)}")
     (q, ldq), (kb, ldkb), (vb, ldvb) = _token_rows(q), _token_rows(kb), _token_rows(vb)
+    rot = int(a_rotation or 0)
+    if rot < 0 or rot & (rot - 1) or (rot and D % rot):
+        raise ValueError(f"a_rotation must be a power of two dividing {D}, got {a_rotation}")
     rg = ranges.contiguous()
     o = _prefill_out(q, out)
     tail = (rg.data_ptr(), o.data_ptr(), n, Hq, Hkv, D, float(scale), block_q, block_k)
-    tail += (int(force_scalar), torch.get_num_threads())
+    tail += (rot, 1.0 / rot**0.5 if rot else 0.0, int(force_scalar), torch.get_num_threads())
     if quant:
         views, ids, bs, la = run_a.checked(Hkv, D)
         lib = library or default_library()

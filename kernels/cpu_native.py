@@ -71,6 +71,9 @@ SIGNATURES = {
     "kvmesh_dequantize_int4_pages": [_P] * 6 + [_I, _P] + [_I] * 4 + [_P, _P, _N],
     # (x, out, rows, D, block, scale, threads)
     "kvmesh_hadamard_f32": [_P, _P, _I, _I, _I, _F, _N],
+    # (residual k, v, R, ring pages, their count, bs, k, row stride, v, row stride, n, head,
+    #  lx, H * D, D, k out, v out, V rotation block (0: none), its scale)
+    "kvmesh_exact_rows_f32": [_P, _P, _I, _P, _I, _I, _P, _I, _P, _I] + [_I] * 5 + [_P, _P, _I, _F],
     "kvmesh_rmsnorm_f32": [_P, _P, _P, _I, _I, _F, _N],
     # (pool, its pages, page bytes, page ids, payload addresses, n, threads)
     "kvmesh_copy_pages": [_P, _I, _I, _P, _P, _I, _N],
@@ -81,19 +84,20 @@ SIGNATURES = {
     #  bk, force_scalar, threads)
     "kvmesh_prefill_attention_f32": [_P, _I, _P, _I, _P, _I, _P] + [_I] * 5 + [_F, _I, _I, _N, _N],
     # (q, its row stride, k A, row stride, v A, row stride, keys in A, k B, row stride, v B,
-    #  row stride, keys in B, ranges (n, 4), out, n, Hq, Hkv, D, scale, bq, bk, force_scalar,
-    #  threads)
+    #  row stride, keys in B, ranges (n, 4), out, n, Hq, Hkv, D, scale, bq, bk, run A's V
+    #  rotation block (0: none), its scale, force_scalar, threads)
     "kvmesh_prefill_attention_runs_f32": [_P, _I, _P, _I, _P, _I, _I, _P, _I, _P, _I, _I, _P, _P]
     + [_I] * 4
-    + [_F, _I, _I, _N, _N],
+    + [_F, _I, _I, _I, _F, _N, _N],
     # (q, its row stride, run A's 6 int4 component bases, page stride in bytes, page ids, pages,
     #  pool pages, bs, k B, row stride, v B, row stride, keys in B, ranges (n, 4), out, n, Hq,
-    #  Hkv, D, scale, bq, bk, force_scalar, threads)
+    #  Hkv, D, scale, bq, bk, run A's V rotation block (0: none), its scale, force_scalar,
+    #  threads)
     "kvmesh_prefill_attention_runs_int4_f32": [_P, _I]
     + [_P] * 6
     + [_I, _P, _I, _I, _I, _P, _I, _P, _I, _I, _P, _P]
     + [_I] * 4
-    + [_F, _I, _I, _N, _N],
+    + [_F, _I, _I, _I, _F, _N, _N],
 }
 
 _lock = threading.Lock()

@@ -122,3 +122,53 @@ def test_a_fresh_chunk_of_whole_pages_reads_its_own_rows_in_place():
     xk, xv = exact_own_pages(_span(7, 7, start=2, slot=0, W=2), k, v, res, res, BS)
     assert xk.shape == (8, H, D) and torch.equal(xk[:7], k[2:9]) and not xk[7:].any()
     assert xk.data_ptr() != k[2].data_ptr()
+
+
+@pytest.fixture(scope="module")
+def c_kernels():
+    from kvmesh.worker import cpu_kernels
+
+    lib = cpu_kernels.load()
+    assert lib is not None, "the C kernels did not build (is a C compiler installed?)"
+    return lib
+
+
+@pytest.mark.parametrize("rot", [None, 4, 8])
+@pytest.mark.parametrize(
+    "q_len, ctx, start, W",
+    [(5, 11, 2, 1), (5, 11, 0, 2), (3, 14, 1, 3), (7, 7, 0, 2), (1, 9, 4, 2), (6, 13, 3, 2)],
+)
+def test_exact_rows_gathered_in_c_equal_the_torch_gather(c_kernels, q_len, ctx, start, W, rot):
+    """The one C call (``kvmesh_exact_rows_f32``) gives the torch gather's bits, k and v read
+    in place as column slices of a wider row (the fused qkv output); with ``plain_v`` the
+    ring's V rows are turned back by the same rotation (the chunk's own rows untouched)."""
+    from kvmesh.kernels.quant import hadamard_transform
+    from kvmesh.worker.attention.own_page import _exact_rows_in_c
+
+    H, D = 2, 8
+    res_k, res_v = torch.randn(3 * W + 1, BS, H, D), torch.randn(3 * W + 1, BS, H, D)
+    qkv = torch.randn(start + q_len + 2, 5 * H * D)
+    k = qkv[:, 3 * H * D : 4 * H * D].view(-1, H, D)
+    v = qkv[:, 4 * H * D :].view(-1, H, D)
+    span = _span(q_len, ctx, start=start, slot=2, W=W)
+    want = exact_own_pages(span, k, v, res_k, res_v, BS, rot)
+    calls = []
+    import kvmesh.worker.attention.own_page as own_page
+
+    real = own_page._exact_rows_in_c
+    own_page._exact_rows_in_c = lambda *a: calls.append(1) or real(*a)
+    try:
+        got = exact_own_pages(span, k, v, res_k, res_v, BS, rot, native=True)
+    finally:
+        own_page._exact_rows_in_c = real
+    _, e0, lx = own_page_geometry(span, BS)
+    head = ctx - q_len - e0
+    assert calls == ([1] if head or lx != q_len else [])  # a fresh chunk: views, no call
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    if head and rot:  # the ring's rows plain: the rotation of what the ring holds
+        plain = exact_own_pages(span, k, v, res_k, res_v, BS)[1][:head]
+        assert torch.equal(got[1][:head], hadamard_transform(plain, rot))
+        assert not torch.equal(got[1][:head], plain)
+    assert torch.equal(got[1][head : head + q_len], v[start : start + q_len])
+    with pytest.raises(ValueError, match="exact rows rejected"):
+        _exact_rows_in_c(k[:2], v[:2], res_k, res_v, torch.tensor([len(res_k)]), 1, 4, rot)

@@ -94,6 +94,8 @@ def exact_own_pages(
     residual_k: torch.Tensor,
     residual_v: torch.Tensor,
     block_size: int,
+    plain_v: int | None = None,
+    native: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The exact keys' K/V, ``(Lx, Hkv, D)`` each in the residual's dtype: the tokens from
     ``E0`` up to the chunk from the request's ring (``span.request_slot``; call this before
@@ -101,7 +103,13 @@ def exact_own_pages(
     ``k/v[start:start + q_len]`` (V as stored: rotated where the format rotates it), zeros
     after ``context_len``. On CPU, a chunk that is all of them (nothing from the ring, whole
     pages) gets views of k and v themselves, not a copy into a new pair (the runs kernel
-    reads them in place, token rows apart)."""
+    reads them in place, token rows apart).
+
+    ``plain_v`` (int4's rotation block): v is the chunk's plain V, not rotated, and the
+    ring's rows (stored rotated) are turned back, so every exact row is plain (the C kernel
+    that turns run A's sums back, ``own_page_attention(a_rotation=...)``). ``native``: fp32
+    on the CPU, the rows are gathered by one C call (``kvmesh_exact_rows_f32``, the same
+    bits) where the C kernels are built."""
     bs = block_size
     _, e0, lx = own_page_geometry(span, bs)
     head = span.context_len - span.q_len - e0  # earlier tokens, in the ring
@@ -115,6 +123,11 @@ def exact_own_pages(
         for j in range(e0 // bs, -(-(e0 + head) // bs))
     ]
     ring_idx = torch.tensor(ring, dtype=torch.int64, device=residual_k.device)
+    if native:
+        got = _exact_rows_in_c(k[s : s + n], v[s : s + n], residual_k, residual_v, ring_idx,
+                               head, lx, plain_v)  # fmt: skip
+        if got is not None:
+            return got
     out = []
     for new, res in ((k, residual_k), (v, residual_v)):
         # each row written once: the ring's pages (whole: their rows from ``head`` on are
@@ -124,6 +137,8 @@ def exact_own_pages(
             torch.index_select(res, 0, ring_idx, out=x[: len(ring) * bs].view(-1, *res.shape[1:]))
         x[head : head + n] = new[s : s + n]
         x[head + n :] = 0
+        if head and plain_v and new is v:  # the ring's rotated V rows turned back (self-inverse)
+            x[:head] = _hadamard(x[:head], plain_v)
         out.append(x)
     return out[0], out[1]
 
@@ -139,6 +154,7 @@ def own_page_attention(
     native: bool = False,
     ranges: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    a_rotation: int | None = None,
 ) -> torch.Tensor:
     """A chunk's attention over a quantized cache (``cache`` a ``LayerCache``, after the
     step's write): ``q`` (q_len, Hq, D), ``exact`` from ``exact_own_pages``, ``mask`` from
@@ -149,7 +165,10 @@ def own_page_attention(
     dequantized pages and the exact ones where they lie, each query its two ranges, in one
     pass (``kernels.cpu_attention.prefill_attention_runs_cpu``) instead of SDPA under
     ``mask`` over their concatenation (then ``mask`` may be None); with ``native``, int4
-    pages are read from the pool and dequantized inside that kernel, to the same bits."""
+    pages are read from the pool and dequantized inside that kernel, to the same bits.
+    ``a_rotation`` (int4's rotation block; only where ``one_pass_int4`` holds): ``exact``
+    holds plain V (``exact_own_pages(plain_v=...)``) and the output is plain: the kernel
+    turns the sums over the quantized pages back itself."""
     import torch.nn.functional as F
 
     from kvmesh.kernels.quant import dequantize_pages
@@ -159,12 +178,16 @@ def own_page_attention(
     xk, xv = exact
     H, D = xk.shape[1:]
     one_pass = ranges is not None
-    if one_pass and native and _int4_in_kernel(cache, q):
+    if one_pass_int4(cache, q, native, ranges):
         from kvmesh.kernels.cpu_attention import Int4Run, prefill_attention_runs_cpu
 
         # int4 pages dequantized inside the kernel: no float copy of them
         run_a = Int4Run(cache.views, pages)
-        return prefill_attention_runs_cpu(q, run_a, (xk, xv), ranges, scale, out=out)
+        return prefill_attention_runs_cpu(
+            q, run_a, (xk, xv), ranges, scale, out=out, a_rotation=a_rotation
+        )
+    if a_rotation:
+        raise ValueError("a_rotation needs the one-pass C kernel over int4 pages")
     # the complete pages, then (for SDPA) the exact ones
     kk = q.new_empty((lq + (0 if one_pass else xk.shape[0]), H, D))
     vv = torch.empty_like(kk)
@@ -198,6 +221,52 @@ def own_page_attention(
         return o[0].transpose(0, 1)
     out.copy_(o[0].transpose(0, 1))
     return out
+
+
+def _exact_rows_in_c(k, v, residual_k, residual_v, ring_idx, head: int, lx: int, rot):
+    """``exact_own_pages``' rows by ``kvmesh_exact_rows_f32``, or None where it does not apply
+    (not CPU float32 with dense token rows and a dense ring, or no C kernels)."""
+    from kvmesh.kernels.cpu_native import CpuKernelError, default_library
+
+    ts = (k, v, residual_k, residual_v)
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in ts):
+        return None
+    if not (residual_k.is_contiguous() and residual_v.is_contiguous()):
+        return None
+    n, H, D = k.shape
+    for t in (k, v):
+        if n and (not t[0].is_contiguous() or (n > 1 and t.stride(0) < H * D)):
+            return None
+    try:
+        lib = default_library()
+    except CpuKernelError:
+        return None
+    out = residual_k.new_empty((2, lx, H, D))
+    bs = residual_k.shape[1]
+    rot = int(rot or 0)
+    rc = lib.fn("kvmesh_exact_rows_f32")(
+        residual_k.data_ptr(), residual_v.data_ptr(), residual_k.shape[0], ring_idx.data_ptr(),
+        ring_idx.numel(), bs, k.data_ptr(), k.stride(0) if n > 1 else H * D, v.data_ptr(),
+        v.stride(0) if n > 1 else H * D, n, head, lx, H * D, D, out[0].data_ptr(),
+        out[1].data_ptr(), rot, 1.0 / rot**0.5 if rot else 0.0,
+    )  # fmt: skip
+    if rc:
+        raise ValueError(
+            f"exact rows rejected: ring {ring_idx.tolist()} of {residual_k.shape[0]} residual "
+            f"pages, {head} ring rows and {n} new of {lx}, rotation {rot}"
+        )
+    return out[0], out[1]
+
+
+def _hadamard(x: torch.Tensor, block: int) -> torch.Tensor:
+    from kvmesh.kernels.cpu_attention import hadamard_cpu
+
+    return hadamard_cpu(x, block)  # the torch version where the C kernels are not built
+
+
+def one_pass_int4(cache, q: torch.Tensor, native: bool, ranges) -> bool:
+    """Whether ``own_page_attention`` runs the one-pass C kernel over int4 pool pages."""
+    return ranges is not None and native and _int4_in_kernel(cache, q)
 
 
 def _int4_in_kernel(cache, q: torch.Tensor) -> bool:

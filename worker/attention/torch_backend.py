@@ -254,15 +254,27 @@ class TorchAttentionBackend(AttentionBackend):
         bs = meta.block_size
         rot = value_rotation_block(cache.cache_format, D)
         native = self._native is not None and q.device.type == "cpu"
-        # a decode-only step in C rotates V in the write and the output in the decode kernel
-        fused = rot is not None and native and not self._prefill and q.dtype == torch.float32
+        # quantized: whether each prefill chunk's own-page attention runs the one-pass C kernel
+        in_c = [
+            cache.quantized and self._own_page_in_c(native, q, span.q_len, Hkv, cache)
+            for span, _, _ in self._prefill
+        ]
+        # int4 in C: the write rotates V as it stores it, the decode kernel turns its output
+        # back and the own-page kernel its sums over the quantized pages, so neither V nor the
+        # output takes a pass of its own (every prefill chunk must run that kernel)
+        fused = rot is not None and native and q.dtype == torch.float32 and all(in_c)
         fused = fused and cache.residual_k.dtype == torch.float32 and v.dtype == torch.float32
         if rot is not None and not fused:  # int4 keeps V rotated (kernels.quant); the output
             v = self._hadamard(v, rot)  # is turned back
+        plain = rot if fused else None  # the own-page kernel's exact V plain (see above)
         exact = []  # quantized: each prefill chunk's own pages in full precision, pre-write
         if cache.quantized:
             for span, _, _ in self._prefill:
-                exact.append(exact_own_pages(span, k, v, cache.residual_k, cache.residual_v, bs))
+                exact.append(
+                    exact_own_pages(
+                        span, k, v, cache.residual_k, cache.residual_v, bs, plain, native
+                    )
+                )
             if native and cache.residual_k.dtype == torch.float32:
                 self._write_in_c(cache, k, v, rot if fused else None)
             else:
@@ -337,11 +349,11 @@ class TorchAttentionBackend(AttentionBackend):
                     continue
                 kk, vv = kk.transpose(0, 1).unsqueeze(0), vv.transpose(0, 1).unsqueeze(0)
             elif cache.quantized:  # the complete pages, then the chunk's own pages exact
-                in_c = self._own_page_in_c(native, q, n, Hkv, cache)
-                view = self._own_page_view(i, span, in_c, q.device)
+                view = self._own_page_view(i, span, in_c[i], q.device)
                 own_page_attention(
-                    q[s : s + n], exact[i], cache, span, None if in_c else view, scale, bs,
-                    native=native, ranges=view if in_c else None, out=out[s : s + n],
+                    q[s : s + n], exact[i], cache, span, None if in_c[i] else view, scale, bs,
+                    native=native, ranges=view if in_c[i] else None, out=out[s : s + n],
+                    a_rotation=plain,
                 )  # fmt: skip
                 continue
             else:
