@@ -456,12 +456,12 @@ def prefill_attention_runs_cpu(
     tail = (rg.data_ptr(), o.data_ptr(), n, Hq, Hkv, D, float(scale), block_q, block_k)
     tail += (rot, 1.0 / rot**0.5 if rot else 0.0, int(force_scalar), torch.get_num_threads())
     if quant:
-        views, ids, bs, la = run_a.checked(Hkv, D)
+        pool, ids, la = run_a.checked(Hkv, D)
         lib = library or default_library()
         rc = lib.fn("kvmesh_prefill_attention_runs_int4_f32")(
-            q.data_ptr(), ldq, *(views[c].data_ptr() for c in _QUANT_VIEWS),
-            views["k"].stride(0) * views["k"].element_size(), ids.data_ptr(), ids.numel(),
-            views["k"].shape[0], bs, kb.data_ptr(), ldkb, vb.data_ptr(), ldvb, kb.shape[0], *tail,
+            q.data_ptr(), ldq, *pool.ptrs, pool.stride, ids.data_ptr(), ids.numel(),
+            pool.num_pages, pool.bs, kb.data_ptr(), ldkb, vb.data_ptr(), ldvb, kb.shape[0],
+            *tail,
         )  # fmt: skip
     else:
         (ka, ldka), (va, ldva) = _token_rows(run_a[0]), _token_rows(run_a[1])
@@ -473,28 +473,25 @@ def prefill_attention_runs_cpu(
             q.data_ptr(), ldq, ka.data_ptr(), ldka, va.data_ptr(), ldva, la, kb.data_ptr(), ldkb,
             vb.data_ptr(), ldvb, kb.shape[0], *tail,
         )  # fmt: skip
+    ids_named = f"page ids must lie in [0, {pool.num_pages}), " if quant else ""
     return _prefill_done(
         rc,
         o,
         out,
-        f"ranges must lie within the runs ({la} and {kb.shape[0]} keys) with every "
-        "query reading at least one key",
+        f"{ids_named}ranges must lie within the runs ({la} and {kb.shape[0]} keys) with "
+        "every query reading at least one key",
     )
 
 
-class Int4Run:
-    """Run A of ``prefill_attention_runs_cpu`` as int4 pool pages: ``views`` one layer's int4
-    views (``LayerCache.views``), ``pages`` the page ids in key order (each page's bs tokens
-    are that many keys)."""
+class Int4Pool:
+    """One layer's int4 pool views (``LayerCache.views``), checked once: an ``Int4Run`` over
+    it checks only its page ids (the views' checks cost ~40 us, more than a short chunk's
+    kernel call saves; the engine's backend keeps one per layer cache). ValueError names
+    what is wrong with the views."""
 
-    def __init__(self, views: dict[str, torch.Tensor], pages: torch.Tensor):
-        self.views, self.pages = views, pages
-
-    def checked(self, Hkv: int, D: int) -> tuple[dict[str, torch.Tensor], torch.Tensor, int, int]:
-        """(views, page ids as contiguous int64, bs, keys), or ValueError naming what is wrong."""
+    def __init__(self, views: dict[str, torch.Tensor]):
         from kvmesh.kernels.quant import quant_components
 
-        views = self.views
         missing = [c for c in _QUANT_VIEWS if c not in views]
         if missing:
             raise ValueError(f"int4 run A needs the views {_QUANT_VIEWS}, missing {missing}")
@@ -503,10 +500,8 @@ class Int4Run:
                 f"view 'k' must be (pages, bs, H, D / 2), got {tuple(views['k'].shape)}"
             )
         num_pages, bs, H, D2 = views["k"].shape
-        if (H, 2 * D2) != (Hkv, D):
-            raise ValueError(f"int4 pages hold {H} heads of {2 * D2}, the chunk {Hkv} of {D}")
         stride = views["k"].stride(0) * views["k"].element_size()
-        for c in quant_components("int4", bs, H, D):  # a head size int4 cannot take: raises
+        for c in quant_components("int4", bs, H, 2 * D2):  # a head size int4 cannot take: raises
             t = views[c.name]
             if t.dtype != c.dtype or tuple(t.shape) != (num_pages, *c.shape):
                 raise ValueError(
@@ -516,14 +511,32 @@ class Int4Run:
             dense = t.stride(0) * t.element_size() == stride and t[0].is_contiguous()
             if t.device.type != "cpu" or not dense:
                 raise ValueError(f"view {c.name!r} is not a dense component of a page-major pool")
+        self.views = views
+        self.num_pages, self.bs, self.H, self.D = num_pages, bs, H, 2 * D2
+        self.stride = stride
+        self.ptrs = tuple(views[c].data_ptr() for c in _QUANT_VIEWS)
+
+
+class Int4Run:
+    """Run A of ``prefill_attention_runs_cpu`` as int4 pool pages: ``views`` one layer's int4
+    views (``LayerCache.views``) or an ``Int4Pool`` of them (checked once), ``pages`` the
+    page ids in key order (each page's bs tokens are that many keys)."""
+
+    def __init__(self, views: dict[str, torch.Tensor] | Int4Pool, pages: torch.Tensor):
+        self.views, self.pages = views, pages
+
+    def checked(self, Hkv: int, D: int) -> tuple[Int4Pool, torch.Tensor, int]:
+        """(the pool, page ids as contiguous int64, keys), or ValueError naming what is wrong.
+        Page ids out of range are rejected by the kernel (named by the caller)."""
+        pool = self.views if isinstance(self.views, Int4Pool) else Int4Pool(self.views)
+        if (pool.H, pool.D) != (Hkv, D):
+            raise ValueError(f"int4 pages hold {pool.H} heads of {pool.D}, the chunk {Hkv} of {D}")
         if self.pages.is_floating_point() or self.pages.device.type != "cpu":
             raise ValueError(
                 f"pages must be integer page ids on the CPU, got {self.pages.dtype} "
                 f"on {self.pages.device}"
             )
-        ids = self.pages.to(torch.int64).contiguous()
+        ids = self.pages if self.pages.dtype == torch.int64 else self.pages.to(torch.int64)
         if ids.dim() != 1:
             raise ValueError(f"pages must be one-dimensional, got {tuple(ids.shape)}")
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_pages):
-            raise ValueError(f"page ids must lie in [0, {num_pages})")
-        return views, ids, bs, ids.numel() * bs
+        return pool, ids.contiguous(), ids.numel() * pool.bs

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from builds import avx512_no_dq_builds, host_builds
 
-from kvmesh.kernels.cpu_attention import Int4Run, prefill_attention_runs_cpu
+from kvmesh.kernels.cpu_attention import Int4Pool, Int4Run, prefill_attention_runs_cpu
 from kvmesh.worker.attention.base import PrefillSpan
 from kvmesh.worker.attention.own_page import own_page_geometry, own_page_mask, own_page_ranges
 
@@ -227,6 +227,18 @@ def test_bad_int4_runs_are_named(libraries):
     with pytest.raises(ValueError, match="page ids"):
         bad = Int4Run(run.views, run.pages.clone().fill_(run.views["k"].shape[0]))
         prefill_attention_runs_cpu(q, bad, b, ranges, 0.125, library=lib)
+    pool = Int4Pool(run.views)  # checked once, as the engine keeps it: the same bits
+    want = prefill_attention_runs_cpu(q, run, b, ranges, 0.125, library=lib)
+    got = prefill_attention_runs_cpu(q, Int4Run(pool, run.pages), b, ranges, 0.125, library=lib)
+    assert torch.equal(got, want)
+    for bad_id in (-1, run.views["k"].shape[0]):  # the kernel checks the ids
+        with pytest.raises(ValueError, match="page ids must lie in"):
+            bad = Int4Run(pool, run.pages.clone().fill_(bad_id))
+            prefill_attention_runs_cpu(q, bad, b, ranges, 0.125, library=lib)
+    with pytest.raises(ValueError, match="heads of"):
+        prefill_attention_runs_cpu(
+            q[:, :3], Int4Run(pool, run.pages), tuple(t[:, :1] for t in b), ranges, 0.125
+        )
     with pytest.raises(ValueError, match="heads"):
         prefill_attention_runs_cpu(q, run, tuple(t[:, :1] for t in b), ranges, 0.125, library=lib)
     with pytest.raises(ValueError, match="missing"):

@@ -155,6 +155,7 @@ def own_page_attention(
     ranges: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     a_rotation: int | None = None,
+    int4_pool=None,
 ) -> torch.Tensor:
     """A chunk's attention over a quantized cache (``cache`` a ``LayerCache``, after the
     step's write): ``q`` (q_len, Hq, D), ``exact`` from ``exact_own_pages``, ``mask`` from
@@ -168,7 +169,8 @@ def own_page_attention(
     pages are read from the pool and dequantized inside that kernel, to the same bits.
     ``a_rotation`` (int4's rotation block; only where ``one_pass_int4`` holds): ``exact``
     holds plain V (``exact_own_pages(plain_v=...)``) and the output is plain: the kernel
-    turns the sums over the quantized pages back itself."""
+    turns the sums over the quantized pages back itself. ``int4_pool``: ``cache.views`` as a
+    ``kernels.cpu_attention.Int4Pool``, checked once (the backend keeps one per layer)."""
     import torch.nn.functional as F
 
     from kvmesh.kernels.quant import dequantize_pages
@@ -182,7 +184,7 @@ def own_page_attention(
         from kvmesh.kernels.cpu_attention import Int4Run, prefill_attention_runs_cpu
 
         # int4 pages dequantized inside the kernel: no float copy of them
-        run_a = Int4Run(cache.views, pages)
+        run_a = Int4Run(cache.views if int4_pool is None else int4_pool, pages)
         return prefill_attention_runs_cpu(
             q, run_a, (xk, xv), ranges, scale, out=out, a_rotation=a_rotation
         )

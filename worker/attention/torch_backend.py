@@ -227,6 +227,15 @@ class TorchAttentionBackend(AttentionBackend):
             )
         writer.write(k, v, self._write_idx, v_rotation)
 
+    def _int4_pool(self, cache: LayerCache):
+        """The layer's int4 views checked once (``kernels.cpu_attention.Int4Pool``) for the
+        own-page kernel, or None for other formats."""
+        if cache.cache_format != "int4":
+            return None
+        from kvmesh.kernels.cpu_attention import Int4Pool
+
+        return self._layer_obj(("int4", id(cache)), cache, lambda cache, **_: Int4Pool(cache))
+
     def _decode_quant_in_c(self, cache: LayerCache, q, scale, out, rotation) -> None:
         """``cpu_attention.paged_decode_attention_cpu`` over quantized pages, with the layer's
         decoder and the step's tables checked once (kernels.cpu_attention.QuantLayerDecoder):
@@ -353,7 +362,7 @@ class TorchAttentionBackend(AttentionBackend):
                 own_page_attention(
                     q[s : s + n], exact[i], cache, span, None if in_c[i] else view, scale, bs,
                     native=native, ranges=view if in_c[i] else None, out=out[s : s + n],
-                    a_rotation=plain,
+                    a_rotation=plain, int4_pool=self._int4_pool(cache) if in_c[i] else None,
                 )  # fmt: skip
                 continue
             else:
