@@ -11,8 +11,9 @@
   ``--decode-shapes`` picks the B x L, ``--baseline-ref REV`` adds the C kernels of git
   revision REV (fp32 and int4, same flags) as the "before" in the same run (REV must have
   this tree's ``cpu_native.ABI``: a build of another ABI refuses to load, e.g. one from
-  before ABI 4, when the quantized decode kernel took its ``res_pages`` argument, or before
-  ABI 5, when the prefill kernel took row strides);
+  before ABI 4, when the quantized decode kernel took its ``res_pages`` argument, before
+  ABI 5, when the prefill kernel took row strides, or before ABI 7, when the two-run
+  prefill kernel took its run A rotation);
 * ``quantize``: full pages quantized into the pool, C vs the torch twin (+ scatter), per format;
 * ``engine``: SmolLM2 through the engine, ``--engine-prompts`` prompts of 128 tokens and
   ``--engine-tokens`` greedy tokens each, submitted together, for each KV cache format of

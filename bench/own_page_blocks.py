@@ -48,12 +48,16 @@ def main() -> None:
 
     def record(q, run_a, run_b, ranges, scale, **kw):
         if isinstance(run_a, cpu_attention.Int4Run):  # the pool's pages: kept dequantized
-            n, (bs, H, D2) = run_a.pages.numel(), run_a.views["k"].shape[1:]
+            views = run_a.views
+            if isinstance(views, cpu_attention.Int4Pool):  # the engine's: checked once
+                views = views.views
+            n, (bs, H, D2) = run_a.pages.numel(), views["k"].shape[1:]
             a = [torch.empty(n * bs, H, 2 * D2) for _ in range(2)]
-            cpu_attention.dequantize_int4_pages_cpu(run_a.views, run_a.pages, *a)
+            cpu_attention.dequantize_int4_pages_cpu(views, run_a.pages, *a)
         else:
             a = [t.clone() for t in run_a]
-        calls.append((q.clone(), a, [t.clone() for t in run_b], ranges.clone(), scale))
+        rot = kw.get("a_rotation")  # int4 with its rotations fused: run A's V turned back
+        calls.append((q.clone(), a, [t.clone() for t in run_b], ranges.clone(), scale, rot))
         return kernel(q, run_a, run_b, ranges, scale, **kw)
 
     cpu_attention.prefill_attention_runs_cpu = record  # own_page_attention imports it per call
@@ -78,10 +82,13 @@ def main() -> None:
     for _ in range(args.rounds):
         for b in blocks:
             t0 = time.perf_counter()
-            for q, a, bb, r, s in chunks:
-                kernel(q, a, bb, r, s, block_k=b)
+            for q, a, bb, r, s, rot in chunks:
+                kernel(q, a, bb, r, s, block_k=b, a_rotation=rot)
             best[b] = min(best[b], time.perf_counter() - t0)
-    outs = {b: [kernel(q, a, bb, r, s, block_k=b) for q, a, bb, r, s in chunks] for b in blocks}
+    outs = {
+        b: [kernel(q, a, bb, r, s, block_k=b, a_rotation=rot) for q, a, bb, r, s, rot in chunks]
+        for b in blocks
+    }
     diff = max(
         float((x - y).abs().max()) for b in blocks[1:] for x, y in zip(outs[blocks[0]], outs[b])
     ) if len(blocks) > 1 else 0.0  # fmt: skip
@@ -91,7 +98,7 @@ def main() -> None:
                 "prompt_tokens": args.prompt_tokens,
                 "chunks": [
                     {"n": q.shape[0], "run_a_keys": a[0].shape[0], "run_b_keys": bb[0].shape[0]}
-                    for q, a, bb, _, _ in chunks
+                    for q, a, bb, _, _, _ in chunks
                 ],
                 "threads": torch.get_num_threads(),
                 "rounds": args.rounds,

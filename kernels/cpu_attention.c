@@ -1390,7 +1390,7 @@ int kvmesh_dequantize_int4_pages(const uint8_t *k, const uint8_t *ks, const uint
 }
 
 /* The ABI version kernels/cpu_native.py checks, bumped with any signature change. */
-int kvmesh_cpu_abi(void) { return 6; }
+int kvmesh_cpu_abi(void) { return 7; }
 
 /* The vector path this build has: 512 (AVX-512), 256 (AVX2), 0 (scalar). */
 int kvmesh_cpu_attention_vectorized(void) { return VEC_PATH; }

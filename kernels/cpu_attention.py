@@ -473,21 +473,22 @@ def prefill_attention_runs_cpu(
             q.data_ptr(), ldq, ka.data_ptr(), ldka, va.data_ptr(), ldva, la, kb.data_ptr(), ldkb,
             vb.data_ptr(), ldvb, kb.shape[0], *tail,
         )  # fmt: skip
-    ids_named = f"page ids must lie in [0, {pool.num_pages}), " if quant else ""
+    ids_named = f"page ids in [0, {pool.num_pages}) and " if quant else ""
     return _prefill_done(
         rc,
         o,
         out,
-        f"{ids_named}ranges must lie within the runs ({la} and {kb.shape[0]} keys) with "
-        "every query reading at least one key",
+        f"{ids_named}ranges within the runs ({la} and {kb.shape[0]} keys) with every query "
+        "reading at least one key are required",
     )
 
 
 class Int4Pool:
     """One layer's int4 pool views (``LayerCache.views``), checked once: an ``Int4Run`` over
-    it checks only its page ids (the views' checks cost ~40 us, more than a short chunk's
-    kernel call saves; the engine's backend keeps one per layer cache). ValueError names
-    what is wrong with the views."""
+    it checks only its page ids (the views' checks cost ~45 us a call; the engine's backend
+    keeps one pool per layer cache). ValueError names what is wrong with the views. The
+    pool keeps the views' addresses: storage swapped in place under the same dict is not
+    noticed (the backend makes a new pool when the cache holds a new views dict)."""
 
     def __init__(self, views: dict[str, torch.Tensor]):
         from kvmesh.kernels.quant import quant_components

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 SOURCES = tuple(
     Path(__file__).with_name(n) for n in ("cpu_attention.c", "cpu_ops.c", "cpu_quant.c")
 )
-ABI = 6
+ABI = 7
 NATIVE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off")
 PORTABLE_FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off")  # scalar paths
 # the AVX2 (+FMA, F16C) path on an AVX-512 machine, for tests: native with AVX-512 turned off

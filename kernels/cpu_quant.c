@@ -279,8 +279,12 @@ int kvmesh_write_kv_quant(int fmt, const float *k, const float *v, int64_t k_row
     float *vrot = NULL;
     if (v_rot_block && T) {
         if (!(vrot = malloc(sizeof(float) * T * HD))) return 1;
-        for (int64_t t = 0; t < T; t++) memcpy(vrot + t * HD, v + t * v_row, sizeof(float) * HD);
-        kvmesh_hadamard_rows_(vrot, T * H, D, v_rot_block, v_rot_scale);
+        /* threads where kvmesh_hadamard_f32 (the pass this replaces) takes them */
+#pragma omp parallel for num_threads(num_threads) if (T * HD >= 65536)
+        for (int64_t t = 0; t < T; t++) {
+            memcpy(vrot + t * HD, v + t * v_row, sizeof(float) * HD);
+            kvmesh_hadamard_rows_(vrot + t * HD, H, D, v_rot_block, v_rot_scale);
+        }
         v = vrot;
         v_row = HD;
     }

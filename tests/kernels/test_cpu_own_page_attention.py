@@ -232,7 +232,7 @@ def test_bad_int4_runs_are_named(libraries):
     got = prefill_attention_runs_cpu(q, Int4Run(pool, run.pages), b, ranges, 0.125, library=lib)
     assert torch.equal(got, want)
     for bad_id in (-1, run.views["k"].shape[0]):  # the kernel checks the ids
-        with pytest.raises(ValueError, match="page ids must lie in"):
+        with pytest.raises(ValueError, match=r"page ids in \[0, \d+\) and ranges"):
             bad = Int4Run(pool, run.pages.clone().fill_(bad_id))
             prefill_attention_runs_cpu(q, bad, b, ranges, 0.125, library=lib)
     with pytest.raises(ValueError, match="heads of"):
@@ -268,12 +268,14 @@ def test_run_a_rotated_v_turned_back_in_the_kernel(
 ):
     """``a_rotation``: run A's V rotated (int4 pages as the engine stores them), run B's V
     plain, the output plain; the twin is the engine's unfused path: run B's V rotated too,
-    the output rotated back after. Within float rounding, with float and int4 runs A."""
+    the output rotated back after. Within float rounding, with float and int4 runs A; one
+    span under a sliding window."""
     from kvmesh.kernels.quant import hadamard_transform
 
     lib = libraries[build]
     span = _span(q_len, ctx, W, ring_from)
-    q, a, (kb, vb), ranges, _ = _case(span, Hq, Hkv, D, seed=7)
+    window = 40 if (q_len, ctx) == (200, 333) else None
+    q, a, (kb, vb), ranges, _ = _case(span, Hq, Hkv, D, window=window, seed=7)
     run, a4 = _int4_run(span, Hkv, D, lib, seed=8)
     kw = dict(library=lib, force_scalar=force_scalar)
     rotated_b = (kb, hadamard_transform(vb, rot))

@@ -135,10 +135,21 @@ def c_kernels():
 
 @pytest.mark.parametrize("rot", [None, 4, 8])
 @pytest.mark.parametrize(
-    "q_len, ctx, start, W",
-    [(5, 11, 2, 1), (5, 11, 0, 2), (3, 14, 1, 3), (7, 7, 0, 2), (1, 9, 4, 2), (6, 13, 3, 2)],
+    "q_len, ctx, start, W, ring_from",
+    [
+        (5, 11, 2, 1, 0),
+        (5, 11, 0, 2, 0),
+        (3, 14, 1, 3, 0),
+        (7, 7, 0, 2, 0),
+        (1, 9, 4, 2, 0),
+        (6, 13, 3, 2, 0),
+        (2, 15, 0, 3, 0),  # the ring's pages out of order: residual pages 1, 2, 0
+        (5, 14, 1, 3, 2),  # a restored prefix: the window starts at page 2
+    ],
 )
-def test_exact_rows_gathered_in_c_equal_the_torch_gather(c_kernels, q_len, ctx, start, W, rot):
+def test_exact_rows_gathered_in_c_equal_the_torch_gather(
+    c_kernels, q_len, ctx, start, W, ring_from, rot
+):
     """The one C call (``kvmesh_exact_rows_f32``) gives the torch gather's bits, k and v read
     in place as column slices of a wider row (the fused qkv output); with ``plain_v`` the
     ring's V rows are turned back by the same rotation (the chunk's own rows untouched)."""
@@ -150,20 +161,21 @@ def test_exact_rows_gathered_in_c_equal_the_torch_gather(c_kernels, q_len, ctx, 
     qkv = torch.randn(start + q_len + 2, 5 * H * D)
     k = qkv[:, 3 * H * D : 4 * H * D].view(-1, H, D)
     v = qkv[:, 4 * H * D :].view(-1, H, D)
-    span = _span(q_len, ctx, start=start, slot=2, W=W)
+    span = _span(q_len, ctx, start=start, slot=2, W=W, ring_from=ring_from)
     want = exact_own_pages(span, k, v, res_k, res_v, BS, rot)
     calls = []
     import kvmesh.worker.attention.own_page as own_page
 
     real = own_page._exact_rows_in_c
-    own_page._exact_rows_in_c = lambda *a: calls.append(1) or real(*a)
+    own_page._exact_rows_in_c = lambda *a: calls.append(real(*a) is not None) or real(*a)
     try:
         got = exact_own_pages(span, k, v, res_k, res_v, BS, rot, native=True)
     finally:
         own_page._exact_rows_in_c = real
     _, e0, lx = own_page_geometry(span, BS)
     head = ctx - q_len - e0
-    assert calls == ([1] if head or lx != q_len else [])  # a fresh chunk: views, no call
+    # gathered in C (not the torch fallback), or a fresh chunk's views with no call
+    assert calls == ([True] if head or lx != q_len else [])
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     if head and rot:  # the ring's rows plain: the rotation of what the ring holds
         plain = exact_own_pages(span, k, v, res_k, res_v, BS)[1][:head]

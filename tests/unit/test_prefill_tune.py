@@ -251,35 +251,70 @@ def test_engine_runs_the_chosen_own_page_kernel(smol_src, monkeypatch):
     """Over an int4 cache the cpu backend's prefill chunks run the one-pass C kernel when
     it is chosen (``KVMESH_PREFILL_ATTN=c``), the masked SDPA when SDPA is; both give the
     same tokens, and log-probabilities equal within float rounding (the kernel sums in
-    another order than SDPA)."""
-    calls = []
-    real = cpu_attention.prefill_attention_runs_cpu
+    another order than SDPA). With every chunk in C, int4's rotations are fused: the
+    chunk's V stays plain and the kernel turns the sums over the int4 pages back
+    (``a_rotation``), the ring's exact rows are turned back as they are gathered, a decode
+    row in the same step rotates its output in the decode kernel; under SDPA, V and the
+    output are rotated in passes of their own. The workload has each: a first chunk
+    (70 tokens: pages 0-1 read quantized by the queries of pages 3-4, W = 2), later chunks
+    starting mid-page (their window's earlier rows from the ring), and the short prompt
+    decoding while the long one prefills."""
+    from kvmesh.worker.attention import own_page
+    from kvmesh.worker.attention.torch_backend import TorchAttentionBackend
+
+    calls, heads, mixed = [], [], []
+    real, real_rows = cpu_attention.prefill_attention_runs_cpu, own_page._exact_rows_in_c
+    real_forward = TorchAttentionBackend.forward
+
+    def forward_spy(self, *a, **kw):
+        mixed.append(bool(self._prefill) and self._meta.num_decode > 0)
+        return real_forward(self, *a, **kw)
 
     def spy(q, *a, **kw):
-        calls.append(q.shape[0])
+        calls.append((q.shape[0], kw.get("a_rotation")))
         return real(q, *a, **kw)
 
+    def rows_spy(*a):
+        got = real_rows(*a)
+        heads.append((a[5], a[7], got is not None))  # ring rows, their rotation, in C
+        return got
+
     monkeypatch.setattr(cpu_attention, "prefill_attention_runs_cpu", spy)
+    monkeypatch.setattr(own_page, "_exact_rows_in_c", rows_spy)
+    monkeypatch.setattr(TorchAttentionBackend, "forward", forward_spy)
     monkeypatch.setenv("KVMESH_GEMM", "linear")  # no GEMM measurement: not what is tested
     from kvmesh.worker import LLM, SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=True)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=True)
+    prompts = [list(range(100, 170)), list(range(300, 321)), list(range(500, 610))]
     got = {}
     for mode in ("c", "sdpa"):
         calls.clear()
+        heads.clear()
+        mixed.clear()
         monkeypatch.setenv("KVMESH_PREFILL_ATTN", mode)
         monkeypatch.setattr(prefill_tune, "_tuner", None)  # the mode is read with the tuner
-        llm = LLM("smollm2-135m-instruct", kv_cache_dtype="int4", kv_cache_memory="16MiB")
-        # 70 tokens: pages 0-1 are read dequantized by the queries of pages 3-4 (W = 2)
-        got[mode] = llm.generate([list(range(100, 170))], params)[0]
+        llm = LLM(
+            "smollm2-135m-instruct",
+            kv_cache_dtype="int4",
+            kv_cache_memory="16MiB",
+            max_num_batched_tokens=48,
+        )
+        got[mode] = llm.generate(prompts, params)
         layers = llm.engine.model_config.num_layers
-        # one 70-token chunk per layer in C, or none
-        assert calls == ([70] * layers if mode == "c" else []), mode
+        if mode == "c":  # every chunk in C, each with the rotation fused
+            assert calls and len(calls) % layers == 0
+            assert {rot for _, rot in calls} == {64}
+            assert any(h > 0 and rot == 64 and in_c for h, rot, in_c in heads)
+            assert any(mixed)  # a decode row and a chunk in one step
+        else:  # SDPA: the ring's rows stay rotated
+            assert calls == [] and all(not rot for _, rot, _ in heads)
         del llm
-    assert got["c"].token_ids == got["sdpa"].token_ids
-    c, sdpa = (torch.tensor(got[m].logprobs) for m in ("c", "sdpa"))
-    torch.testing.assert_close(c, sdpa, atol=1e-3, rtol=0)
-    assert not torch.equal(torch.zeros_like(c), c)  # logprobs were returned
+    for c_out, sdpa_out in zip(got["c"], got["sdpa"]):
+        assert c_out.token_ids == sdpa_out.token_ids
+        c, sdpa = (torch.tensor(o.logprobs) for o in (c_out, sdpa_out))
+        torch.testing.assert_close(c, sdpa, atol=1e-3, rtol=0)
+        assert not torch.equal(torch.zeros_like(c), c)  # logprobs were returned
 
 
 @pytest.mark.parametrize("window", [None, 16])

@@ -159,10 +159,10 @@ def own_page_attention(
 ) -> torch.Tensor:
     """A chunk's attention over a quantized cache (``cache`` a ``LayerCache``, after the
     step's write): ``q`` (q_len, Hq, D), ``exact`` from ``exact_own_pages``, ``mask`` from
-    ``own_page_mask``; returns (q_len, Hq, D) in q's dtype (V as stored: still rotated),
-    in ``out`` if given. ``native``: int4 pages may be read by the C kernels (the ``cpu``
-    backend); the torch reference backend and the Triton one leave it off and read them in
-    torch. ``ranges`` (from ``own_page_ranges``; CPU float32 only): the C kernel reads the
+    ``own_page_mask``; returns (q_len, Hq, D) in q's dtype (V as stored: still rotated,
+    unless ``a_rotation`` is given), in ``out`` if given. ``native``: int4 pages may be
+    read by the C kernels (the ``cpu`` backend); the torch reference backend and the
+    Triton one leave it off and read them in torch. ``ranges`` (from ``own_page_ranges``; CPU float32 only): the C kernel reads the
     dequantized pages and the exact ones where they lie, each query its two ranges, in one
     pass (``kernels.cpu_attention.prefill_attention_runs_cpu``) instead of SDPA under
     ``mask`` over their concatenation (then ``mask`` may be None); with ``native``, int4
@@ -236,6 +236,10 @@ def _exact_rows_in_c(k, v, residual_k, residual_v, ring_idx, head: int, lx: int,
     if not (residual_k.is_contiguous() and residual_v.is_contiguous()):
         return None
     n, H, D = k.shape
+    if v.shape != k.shape or residual_k.dim() != 4 or residual_v.shape != residual_k.shape:
+        return None  # the torch gather names the mismatch
+    if tuple(residual_k.shape[2:]) != (H, D):
+        return None
     for t in (k, v):
         if n and (not t[0].is_contiguous() or (n > 1 and t.stride(0) < H * D)):
             return None
