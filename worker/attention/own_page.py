@@ -162,11 +162,12 @@ def own_page_attention(
     ``own_page_mask``; returns (q_len, Hq, D) in q's dtype (V as stored: still rotated,
     unless ``a_rotation`` is given), in ``out`` if given. ``native``: int4 pages may be
     read by the C kernels (the ``cpu`` backend); the torch reference backend and the
-    Triton one leave it off and read them in torch. ``ranges`` (from ``own_page_ranges``; CPU float32 only): the C kernel reads the
-    dequantized pages and the exact ones where they lie, each query its two ranges, in one
-    pass (``kernels.cpu_attention.prefill_attention_runs_cpu``) instead of SDPA under
-    ``mask`` over their concatenation (then ``mask`` may be None); with ``native``, int4
-    pages are read from the pool and dequantized inside that kernel, to the same bits.
+    Triton one leave it off and read them in torch. ``ranges`` (from ``own_page_ranges``;
+    CPU float32 only): the C kernel reads the dequantized pages and the exact ones where
+    they lie, each query its two ranges, in one pass
+    (``kernels.cpu_attention.prefill_attention_runs_cpu``) instead of SDPA under ``mask``
+    over their concatenation (then ``mask`` may be None); with ``native``, int4 pages are
+    read from the pool and dequantized inside that kernel, to the same bits.
     ``a_rotation`` (int4's rotation block; only where ``one_pass_int4`` holds): ``exact``
     holds plain V (``exact_own_pages(plain_v=...)``) and the output is plain: the kernel
     turns the sums over the quantized pages back itself. ``int4_pool``: ``cache.views`` as a
