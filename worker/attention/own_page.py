@@ -129,7 +129,7 @@ def exact_own_pages(
         if got is not None:
             return got
     out = []
-    for new, res in ((k, residual_k), (v, residual_v)):
+    for i, (new, res) in enumerate(((k, residual_k), (v, residual_v))):
         # each row written once: the ring's pages (whole: their rows from ``head`` on are
         # overwritten, a partial page's are not its tokens yet), the chunk, zeros after it
         x = res.new_empty((lx, *res.shape[2:]))
@@ -137,7 +137,7 @@ def exact_own_pages(
             torch.index_select(res, 0, ring_idx, out=x[: len(ring) * bs].view(-1, *res.shape[1:]))
         x[head : head + n] = new[s : s + n]
         x[head + n :] = 0
-        if head and plain_v and new is v:  # the ring's rotated V rows turned back (self-inverse)
+        if head and plain_v and i == 1:  # the ring's rotated V rows turned back (self-inverse)
             x[:head] = _hadamard(x[:head], plain_v)
         out.append(x)
     return out[0], out[1]
