@@ -228,7 +228,8 @@ def own_page_attention(
 
 def _exact_rows_in_c(k, v, residual_k, residual_v, ring_idx, head: int, lx: int, rot):
     """``exact_own_pages``' rows by ``kvmesh_exact_rows_f32``, or None where it does not apply
-    (not CPU float32 with dense token rows and a dense ring, or no C kernels)."""
+    (not CPU float32 with dense token rows and a dense ring, a residual of other heads or
+    head size than k's, or no C kernels): the torch gather then runs."""
     from kvmesh.kernels.cpu_native import CpuKernelError, default_library
 
     ts = (k, v, residual_k, residual_v)
