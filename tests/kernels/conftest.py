@@ -31,12 +31,18 @@ def libraries(tmp_path_factory):
     included where the CPU has AVX-512F. No compiler is a failure that says how to install
     one, not a skip. The native build must vectorise where the CPU has AVX2 (+FMA, F16C) or
     AVX-512."""
+    from concurrent.futures import ThreadPoolExecutor
+
     d = tmp_path_factory.getbasetemp() / "cpu-kernels"  # one build per flag set per session
     cc = envs.c_compiler()
-    builds = {
-        name: cpu_native.CpuLibrary(cpu_native.compile_library(build_dir=d, cc=cc, flags=f))
-        for name, f in {**host_builds(), **avx512_no_dq_builds()}.items()
-    }
+    flags = {**host_builds(), **avx512_no_dq_builds()}
+    # the compilers run side by side (one per build; compile_library renames each finished
+    # file into place, so concurrent builds never see a partial one)
+    with ThreadPoolExecutor(max_workers=len(flags)) as pool:
+        paths = pool.map(
+            lambda f: cpu_native.compile_library(build_dir=d, cc=cc, flags=f), flags.values()
+        )
+        builds = {name: cpu_native.CpuLibrary(p) for name, p in zip(flags, paths)}
     assert builds["native"].vector_bits == native_vector_bits()
     if "avx2" in builds:
         assert builds["avx2"].vector_bits == 256
