@@ -1511,6 +1511,11 @@ void kvmesh_hadamard_rows_(float *x, int64_t n, int64_t D, int64_t block, float 
     hadamard_rows(x, n, D, block, scale);
 }
 
+/* A fused rotation's block: 0 (no rotation) or a power of two dividing D. */
+static int rot_ok(int64_t rot_block, int64_t D) {
+    return rot_block >= 0 && !(rot_block & (rot_block - 1)) && (!rot_block || D % rot_block == 0);
+}
+
 /* A quantized cache's exact run for one prefill chunk (worker/attention/own_page.py,
  * exact_own_pages), in one call instead of ~10 torch ops a layer: out_k, out_v (lx, HD)
  * each get rows [0, head) from the request's residual ring (res_k/res_v (R, bs, HD), ring
@@ -1525,7 +1530,7 @@ int kvmesh_exact_rows_f32(const float *res_k, const float *res_v, int64_t R, con
                           float *out_k, float *out_v, int64_t rot_block, float rot_scale) {
     if (bs < 1 || HD < 1 || D < 1 || HD % D || n < 0 || head < 0 || nring < 0) return 2;
     if (head > nring * bs || head + n > lx || ldk < HD || ldv < HD) return 2;
-    if (rot_block < 0 || (rot_block & (rot_block - 1)) || (rot_block && D % rot_block)) return 2;
+    if (!rot_ok(rot_block, D)) return 2;
     for (int64_t i = 0; i < nring; i++)
         if (ring[i] < 0 || ring[i] >= R) return 2;
     for (int64_t r = 0; r < head; r++) {
@@ -1555,7 +1560,7 @@ int kvmesh_decode_attention_quant_rot(int fmt, const float *q, const uint8_t *k,
                                       int64_t Hq, int64_t Hkv, int64_t D, int64_t bs,
                                       int64_t page_stride, float scale, int64_t window,
                                       int num_threads, int64_t rot_block, float rot_scale) {
-    if (rot_block < 0 || (rot_block & (rot_block - 1)) || (rot_block && D % rot_block)) return 2;
+    if (!rot_ok(rot_block, D)) return 2;
     return decode_quant(fmt, q, k, ks, kz, v, vs, vz, res_k, res_v, block_tables, context_lens,
                         res_slots, out, B, P, res_pages, Hq, Hkv, D, bs, page_stride, scale,
                         window, num_threads, rot_block, rot_scale);
@@ -2062,11 +2067,6 @@ typedef struct {
     int64_t bs;
 } pr_run_a;
 
-/* rot_block: 0 (no rotation) or a power of two dividing D */
-static int pr_rot_ok(int64_t rot_block, int64_t D) {
-    return rot_block >= 0 && !(rot_block & (rot_block - 1)) && (!rot_block || D % rot_block == 0);
-}
-
 static int pr_checks(const int64_t *ranges, int64_t n, int64_t la, int64_t lb, int64_t Hq,
                      int64_t Hkv, int64_t D) {
     if (n < 0 || la < 0 || lb < 0 || Hkv < 1 || Hq % Hkv || D < 1) return 2;
@@ -2209,7 +2209,7 @@ int kvmesh_prefill_attention_runs_f32(const float *q, int64_t ldq, const float *
                                       float *out, int64_t n, int64_t Hq, int64_t Hkv, int64_t D,
                                       float scale, int64_t bq, int64_t bk, int64_t rot_block,
                                       float rot_scale, int force_scalar, int num_threads) {
-    if (pr_checks(ranges, n, la, lb, Hq, Hkv, D) || !pr_rot_ok(rot_block, D)) return 2;
+    if (pr_checks(ranges, n, la, lb, Hq, Hkv, D) || !rot_ok(rot_block, D)) return 2;
     const int64_t HD = Hkv * D;
     if (ldq < Hq * D || ldka < HD || ldva < HD || ldkb < HD || ldvb < HD) return 2;
     const pr_run_a A = {ka, va, ldka, ldva, NULL, NULL, 0};
@@ -2230,7 +2230,7 @@ int kvmesh_prefill_attention_runs_int4_f32(
     int64_t ldvb, int64_t lb, const int64_t *ranges, float *out, int64_t n, int64_t Hq,
     int64_t Hkv, int64_t D, float scale, int64_t bq, int64_t bk, int64_t rot_block,
     float rot_scale, int force_scalar, int num_threads) {
-    if (np < 0 || bs < 1 || !int4_head_ok(D) || !pr_rot_ok(rot_block, D)) return 2;
+    if (np < 0 || bs < 1 || !int4_head_ok(D) || !rot_ok(rot_block, D)) return 2;
     const int64_t la = np * bs, HD = Hkv * D;
     if (pr_checks(ranges, n, la, lb, Hq, Hkv, D)) return 2;
     if (ldq < Hq * D || ldkb < HD || ldvb < HD) return 2;
