@@ -77,7 +77,8 @@ def mla_softmax_scale(cfg: ModelConfig) -> float:
 class MLARotary(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        inv, self.attention_factor = mla_rope(cfg)
+        with torch.device("cpu"):  # not on the meta device: see llama.RotaryEmbedding
+            inv, self.attention_factor = mla_rope(cfg)
         self.register_buffer("inv_freq", inv, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):

@@ -49,7 +49,11 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        # computed on the CPU even inside build_decoder's meta-device model: on the meta
+        # device the ops would import torch._dynamo (~1.5 s a process) for a buffer replaced
+        with torch.device("cpu"):
+            inv = rope_inv_freq(cfg)
+        self.register_buffer("inv_freq", inv, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
         """cos (T, 1, D) and a signed sin (T, 1, D): [-sin, sin] over the two halves."""
@@ -170,7 +174,10 @@ class DecoderModel(nn.Module):
         self, cfg: ModelConfig, attention_cls: type[nn.Module], rotary_cls: type[nn.Module]
     ):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # no random init: the weights are loaded (and on the meta device, where build_decoder
+        # makes the model, normal_ alone would import torch._dynamo: ~2 s a process)
+        shape = (cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape))
         self.layers = nn.ModuleList(DecoderLayer(cfg, attention_cls) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = rotary_cls(cfg)
