@@ -24,7 +24,12 @@ import torch
 
 from kvmesh.kernels.cpu_native import CpuLibrary, default_library
 from kvmesh.kernels.page_format import FLOAT_FORMATS, QUANT_FORMATS
-from kvmesh.kernels.paged_kv import check_cache, check_index, residual_page_slots
+from kvmesh.kernels.paged_kv import (
+    check_cache,
+    check_index,
+    residual_page_slots,
+    rotation_block,
+)
 
 _SYMBOLS = {
     "fp32": "kvmesh_decode_attention_f32",
@@ -176,9 +181,7 @@ class QuantLayerDecoder:
     def decode(self, q, idx: DecodeIndices, scale, sliding_window=None, out=None, rotation=None):
         """``paged_decode_attention_cpu`` for this layer over the step's ``idx``."""
         Hkv, D, bs = self.Hkv, self.D, self.bs
-        rot = int(rotation or 0)
-        if rot < 0 or rot & (rot - 1) or (rot and D % rot):
-            raise ValueError(f"out_rotation must be a power of two dividing {D}, got {rotation}")
+        rot = rotation_block("out_rotation", rotation, D)
         if q.dim() != 3 or q.shape[2] != D or q.shape[1] % Hkv:
             raise ValueError(f"q must be (B, Hq, {D}) with Hq a multiple of {Hkv}, got {q.shape}")
         B, Hq, _ = q.shape
@@ -448,9 +451,7 @@ def prefill_attention_runs_cpu(
     if ranges.shape != (n, 4) or ranges.dtype != torch.int64:
         raise ValueError(f"ranges must be ({n}, 4) int64, got {ranges.dtype} {tuple(ranges.shape)}")
     (q, ldq), (kb, ldkb), (vb, ldvb) = _token_rows(q), _token_rows(kb), _token_rows(vb)
-    rot = int(a_rotation or 0)
-    if rot < 0 or rot & (rot - 1) or (rot and D % rot):
-        raise ValueError(f"a_rotation must be a power of two dividing {D}, got {a_rotation}")
+    rot = rotation_block("a_rotation", a_rotation, D)
     rg = ranges.contiguous()
     o = _prefill_out(q, out)
     tail = (rg.data_ptr(), o.data_ptr(), n, Hq, Hkv, D, float(scale), block_q, block_k)

@@ -18,7 +18,7 @@ import torch
 
 from kvmesh.kernels.cpu_native import CpuKernelError, CpuLibrary, default_library
 from kvmesh.kernels.page_format import QUANT_FORMATS
-from kvmesh.kernels.paged_kv import check_cache, check_index, check_new_kv
+from kvmesh.kernels.paged_kv import check_cache, check_index, check_new_kv, rotation_block
 
 _CODES = {"fp8": 1, "int8": 2, "int4": 3}
 _VIEWS = ("k", "k_scale", "k_zero", "v", "v_scale", "v_zero")
@@ -135,9 +135,7 @@ class LayerWriter:
             k = k.float().contiguous()
         if v.dtype != torch.float32 or (T and not v[0].is_contiguous()):
             v = v.float().contiguous()
-        rot = int(v_rotation or 0)
-        if rot < 0 or rot & (rot - 1) or (rot and D % rot):
-            raise ValueError(f"v_rotation must be a power of two dividing {D}, got {v_rotation}")
+        rot = rotation_block("v_rotation", v_rotation, D)
         rc = self._fn(
             *self._head, k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), T,
             idx.rows.data_ptr(), *self._tail, n, idx.pages.data_ptr(), idx.src.data_ptr(),

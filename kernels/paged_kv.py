@@ -112,6 +112,15 @@ def check_index(
         raise ValueError(f"{name} needs a unit innermost stride, got {t.stride()}")
 
 
+def rotation_block(name: str, value: int | None, D: int) -> int:
+    """A fused Hadamard rotation's block (``None``/0: no rotation) checked as the C kernels
+    need it, a power of two dividing the head size; the error names the argument."""
+    rot = int(value or 0)
+    if rot < 0 or rot & (rot - 1) or (rot and D % rot):
+        raise ValueError(f"{name} must be a power of two dividing {D}, got {value}")
+    return rot
+
+
 def check_tile_block_size(bs: int) -> None:
     """The attention kernels' K/V tile is one page: tl.dot on a GPU needs N = bs >= 16."""
     if bs < 16:
