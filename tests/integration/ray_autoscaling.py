@@ -125,12 +125,15 @@ class OwnAutoscalingCluster(AutoscalingCluster):
             except psutil.NoSuchProcess:
                 pass
         psutil.wait_procs(alive, timeout=10)
-        # processes started after the first sweep (a worker spawning): once more
-        for p in self.processes():
+        # processes started after the first sweep (a worker spawning): once more, and
+        # waited for, so that no killed process still shows its command line to the caller
+        late = self.processes()
+        for p in late:
             try:
                 p.kill()
             except psutil.NoSuchProcess:
                 pass
+        psutil.wait_procs(late, timeout=10)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 

@@ -33,30 +33,16 @@ def test_damaged_files_are_clear_errors(tmp_path, smol_src):
             GGUFFile(path)
 
 
-def test_torch_dequantization_gives_the_gguf_packages_bits(smol_src):
-    """The loader's own dequantizer (Q4_0, Q4_1, Q8_0 in torch) against gguf's numpy one, bit
-    for bit: every tensor of the real model (Q4_1, Q8_0, F32), then random blocks of each
-    type, whose random fp16 scales include infinities, NaNs and subnormals."""
+def test_torch_dequantization_gives_the_gguf_packages_bits_on_the_model(smol_src):
+    """The loader's own dequantizer against gguf's numpy one, bit for bit, on every tensor
+    of the real model (Q4_1, Q8_0, F32). Random and special blocks of each type:
+    tests/unit/test_gguf_dequant.py."""
     from kvmesh.worker.models.loader import dequantize_gguf
-
-    def same(x: np.ndarray, w) -> bool:
-        return x.shape == tuple(w.shape) and np.array_equal(
-            x.view(np.uint32), w.numpy().view(np.uint32)
-        )
 
     types = set()
     for t in GGUFFile(smol_src.path).tensors:
         types.add(t.tensor_type.name)
-        assert same(dequantize(t.data, t.tensor_type), dequantize_gguf(t.data, t.tensor_type)), (
-            t.name
-        )
+        x, w = dequantize(t.data, t.tensor_type), dequantize_gguf(t.data, t.tensor_type)
+        assert x.shape == tuple(w.shape), t.name
+        assert np.array_equal(x.view(np.uint32), w.numpy().view(np.uint32)), t.name
     assert {"Q4_1", "Q8_0"} <= types  # the torch paths ran on real data
-    rng = np.random.default_rng(0)
-    for name, size in {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}.items():
-        qtype = gguf.GGMLQuantizationType[name]
-        data = rng.integers(0, 256, size=(64, size * 4), dtype=np.uint8)
-        with np.errstate(invalid="ignore"):  # inf * 0 in gguf's numpy: NaN, as in torch
-            ref = dequantize(data, qtype)
-        assert same(ref, dequantize_gguf(data, qtype)), name
-        with pytest.raises(ValueError, match="whole number"):
-            dequantize_gguf(data[:, :-1], qtype)

@@ -3,7 +3,8 @@
 ``gguf.GGUFReader`` builds an object for every element of every metadata array, which
 takes seconds for a vocabulary of tens of thousands of tokens. kvmesh needs only the scalar
 metadata and the tensors, so this reader skips arrays (reading just their lengths) and
-memory-maps the tensor data; dequantization still goes through ``gguf.quants.dequantize``.
+memory-maps the tensor data; ``loader.dequantize_gguf`` dequantizes it (Q4_0/Q4_1/Q8_0 in
+torch with gguf's bits, other types through ``gguf.quants.dequantize``).
 The tokenizer is read by transformers' own GGUF path, once, and cached (worker/tokenizer.py).
 
 Layout (GGUF v2/v3, little-endian): magic "GGUF", u32 version, u64 tensor count, u64

@@ -231,12 +231,22 @@ _TORCH_BLOCKS = {"Q4_0": (18, 32), "Q4_1": (20, 32), "Q8_0": (34, 32)}
 
 def dequantize_gguf(data, qtype) -> torch.Tensor:
     """One GGUF tensor's weights as float32: Q4_0, Q4_1 and Q8_0 in torch (all cores, ~6x
-    gguf's numpy on the default model, and the same bits: the same fp16 -> fp32 casts and
-    the same separate multiply and add, no fused multiply-add), every other type through
-    ``gguf.quants.dequantize``."""
+    gguf's numpy on the default model, and the same bits on every weight that is a number,
+    infinities included: the same fp16 -> fp32 casts and the same separate multiply and add,
+    no fused multiply-add; NaN where gguf gives NaN, its payload not promised), every other
+    type through ``gguf.quants.dequantize``. ``qtype``: a ``gguf.GGMLQuantizationType`` or
+    its int."""
     import warnings
 
-    layout = _TORCH_BLOCKS.get(getattr(qtype, "name", ""))
+    import numpy as np
+
+    name = getattr(qtype, "name", None)
+    if name is None:
+        from gguf import GGMLQuantizationType
+
+        qtype = GGMLQuantizationType(int(qtype))
+        name = qtype.name
+    layout = _TORCH_BLOCKS.get(name)
     if layout is None:
         from gguf.quants import dequantize
 
@@ -249,20 +259,21 @@ def dequantize_gguf(data, qtype) -> torch.Tensor:
         )
     with warnings.catch_warnings():  # the memory-mapped file is read-only; nothing writes to it
         warnings.simplefilter("ignore", UserWarning)
-        raw = torch.from_numpy(data)
+        raw = torch.from_numpy(np.ascontiguousarray(data))  # a view unless strides differ
     b = raw.reshape(-1, size)
     d = b[:, :2].contiguous().view(torch.float16).float()
-    if qtype.name == "Q8_0":
-        w = b[:, 2:].contiguous().view(torch.int8).float() * d
+    if name == "Q8_0":
+        w = b[:, 2:].contiguous().view(torch.int8).float()
+        w *= d  # in place: one float copy of the tensor at a time
     else:  # a block's low nibbles are its first 16 weights, the high ones the next 16
-        qs = b[:, 4:] if qtype.name == "Q4_1" else b[:, 2:]
+        qs = b[:, 4:] if name == "Q4_1" else b[:, 2:]
         w = torch.empty(b.shape[0], block)
         torch.bitwise_and(qs, 0x0F, out=w[:, : block // 2])
         torch.bitwise_right_shift(qs, 4, out=w[:, block // 2 :])
-        if qtype.name == "Q4_0":
+        if name == "Q4_0":
             w -= 8  # exact: small integers
         w *= d
-        if qtype.name == "Q4_1":
+        if name == "Q4_1":
             w += b[:, 2:4].contiguous().view(torch.float16).float()  # the min, added apart
     return w.reshape(*data.shape[:-1], data.shape[-1] // size * block)
 
