@@ -418,6 +418,23 @@ def run_hf(args, prompts: list[list[int]], hf_model, tok) -> tuple[dict, dict]:
 # ---------------------------------------------------------------- vLLM
 
 # Runs inside the vLLM virtualenv. vLLM CPU starts worker processes, hence the main guard.
+# sitecustomize for the vLLM processes when KVMESH_CPU_ISA=avx2: vLLM picks its kernels by
+# torch's CPU checks (its AVX-512 or AVX2 build of _C, AVX-512-only paths), which read the
+# hardware; answering False there caps it at AVX2 as ONEDNN_MAX_CPU_ISA and
+# ATEN_CPU_CAPABILITY cap oneDNN, ATen and inductor
+VLLM_AVX2_SHIM = """
+import torch.cpu
+
+for _name in (
+    "_is_avx512_supported",
+    "_is_avx512_bf16_supported",
+    "_is_vnni_supported",
+    "_is_amx_tile_supported",
+    "_is_amx_fp16_supported",
+):
+    setattr(torch.cpu, _name, lambda: False)
+"""
+
 VLLM_SCRIPT = """
 import json
 import statistics
@@ -473,6 +490,9 @@ def main():
         "ttft_hit_all_s": hit,
         "torch_version": torch.__version__,
         "dtype": str(getattr(model_config, "dtype", spec["dtype"])).replace("torch.", ""),
+        # what vLLM's kernel choice read (its AVX-512 or AVX2 build of _C): False under the
+        # AVX2 cap's shim
+        "torch_sees_avx512": torch.cpu._is_avx512_supported(),
     }
     with open(spec["result_path"], "w") as f:
         json.dump(result, f)
@@ -506,6 +526,19 @@ def export_hf_folder(src, hf_model, tok, out_dir: Path) -> Path:
     return out_dir
 
 
+def isa_capped_at_avx2() -> bool:
+    """Whether this run emulates an AVX2-only CPU (``KVMESH_CPU_ISA=avx2``; bench/README.md):
+    then vLLM is capped too, and a warning names the caps missing beside it (set before torch
+    loads, they cannot be set from here)."""
+    if os.environ.get("KVMESH_CPU_ISA", "").strip().lower() != "avx2":
+        return False
+    want = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+    missing = [f"{k}={v}" for k, v in want.items() if os.environ.get(k, "").lower() != v.lower()]
+    if missing:
+        log(f"warning: KVMESH_CPU_ISA=avx2 without {' '.join(missing)}: torch still runs AVX-512")
+    return True
+
+
 def run_vllm(
     args, prompts, model_dir: Path, kvmesh_cfg: dict, ttft: list[list[int]]
 ) -> tuple[dict, list[list[int]]]:
@@ -535,6 +568,12 @@ def run_vllm(
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
         env.setdefault("VLLM_TARGET_DEVICE", "cpu")
+        isa_cap = isa_capped_at_avx2()
+        if isa_cap:  # the same cap as kvmesh's: vLLM's AVX-512 checks answer False
+            shim = Path(tmp) / "avx2-shim"
+            shim.mkdir()
+            (shim / "sitecustomize.py").write_text(VLLM_AVX2_SHIM)
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(shim), env.get("PYTHONPATH"))))
         log(f"vllm: running {args.vllm_python} on {model_dir} ({args.vllm_dtype}) ...")
         t0 = time.monotonic()
         # vLLM logs to stdout too: relay everything to stderr, keeping stdout for our JSON,
@@ -579,6 +618,8 @@ def run_vllm(
             "kv_cache_space_gib": env["VLLM_CPU_KVCACHE_SPACE"],
             "omp_binding": binding,
             "env": {k: v for k, v in env.items() if k.startswith("VLLM_CPU")},
+            "isa_cap": "avx2" if isa_cap else None,
+            "torch_sees_avx512": r.get("torch_sees_avx512"),
             "process_wall_s": round(wall, 1),
         },
     }

@@ -115,13 +115,15 @@ PREFILL_TUNE_MACS = 4e9  # SmolLM2's largest, gate_up at 2,048 rows: 3.6e9
 # steadier than the medians the 10% of cache format 1 was set for, and at 2,048 rows on the
 # 2-core EPYC oneDNN led F.linear by 9.7-10.3% on every prefill shape (bench/README.md)
 AUTO_MARGIN = 0.95
-# environment that changes which kernels MKL / oneDNN / ATen dispatch to: part of the key
+# environment that changes which kernels MKL / oneDNN / ATen / kvmesh's C kernels dispatch to:
+# part of the key
 ISA_ENV = (
     "MKL_ENABLE_INSTRUCTIONS",
     "MKL_CBWR",
     "ATEN_CPU_CAPABILITY",
     "DNNL_MAX_CPU_ISA",
     "ONEDNN_MAX_CPU_ISA",
+    "KVMESH_CPU_ISA",
 )
 
 
@@ -215,7 +217,8 @@ def write_cache_file(path: Path, entries: list[dict], fmt: int, what: str) -> No
 
 def machine_key() -> dict:
     """What a measurement is valid for: CPU model and flags, torch version, threads now, and
-    the environment variables that cap or pin the instruction set MKL / oneDNN / ATen use."""
+    the environment variables that cap or pin the instruction set MKL / oneDNN / ATen and
+    kvmesh's C kernels use."""
     model, flags = _cpu()
     return {
         "cpu": model,

@@ -37,8 +37,23 @@ SOURCES = tuple(
 ABI = 7
 NATIVE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off")
 PORTABLE_FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off")  # scalar paths
-# the AVX2 (+FMA, F16C) path on an AVX-512 machine, for tests: native with AVX-512 turned off
+# the AVX2 (+FMA, F16C) path on an AVX-512 machine (tests, KVMESH_CPU_ISA=avx2): native with
+# AVX-512 turned off
 AVX2_FLAGS = (*NATIVE_FLAGS, "-mno-avx512f")
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+
+
+def isa_flags(isa: str) -> tuple[str, ...]:
+    """The build flags of an instruction-set cap (``worker.envs.cpu_isa``): ``native``,
+    ``avx2`` or ``portable``. A cap, not a demand: ``avx2`` off x86 (no AVX-512 to turn off)
+    is the native build. CpuKernelError for another name."""
+    if isa == "avx2" and not _X86:
+        isa = "native"
+    flags = {"native": NATIVE_FLAGS, "avx2": AVX2_FLAGS, "portable": PORTABLE_FLAGS}.get(isa)
+    if flags is None:
+        raise CpuKernelError(f"unknown instruction-set cap {isa!r}: native, avx2 or portable")
+    return flags
+
 
 # glibc on x86-64 ships libmvec, vector versions of expf & co. that let loops vectorise
 _MVEC = platform.machine() in ("x86_64", "AMD64") and platform.libc_ver()[0] == "glibc"
@@ -193,14 +208,21 @@ class CpuLibrary:
         return self._fns[name]
 
 
-def build(*, build_dir: Path, cc: str = "cc") -> CpuLibrary:
-    """Compile (or find in ``build_dir``) and load the default, native library once per
-    process. Raises CpuKernelError saying why it cannot; a failure is remembered."""
+def build(*, build_dir: Path, cc: str = "cc", isa: str = "native") -> CpuLibrary:
+    """Compile (or find in ``build_dir``) and load the default library once per process, for
+    the instruction-set cap ``isa`` (``isa_flags``; the first call's cap holds for the
+    process). Raises CpuKernelError saying why it cannot; a failure is remembered."""
     global _default, _error
     with _lock:
         if _default is None and _error is None:
             try:
-                _default = CpuLibrary(compile_library(build_dir=build_dir, cc=cc))
+                path = compile_library(build_dir=build_dir, cc=cc, flags=isa_flags(isa))
+                _default = CpuLibrary(path)
+                bits = _default.vector_bits
+                log.info(
+                    "kvmesh's CPU kernels: %s build, %s",
+                    isa, f"{bits}-bit vector paths" if bits else "scalar loops",
+                )  # fmt: skip
             except CpuKernelError as e:
                 _error = str(e)
         if _default is None:

@@ -6,10 +6,13 @@ fp8/int8/int4 pages dequantized in the kernel with the tail in the residual), GQ
 lengths, random block tables, sliding windows, head sizes off the vector width."""
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
-from builds import host_builds
+from builds import has_avx2, host_builds, native_vector_bits
 from kvsim import KVSim
 from test_decode_attention import _dense_decode
 
@@ -274,6 +277,37 @@ def test_build_is_cached_by_source_and_flags(tmp_path):
     )
     assert b != a
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([a.name, b.name])  # no temps
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2", "portable"])
+def test_the_engine_library_is_built_for_the_isa_cap(libraries, tmp_path, isa):
+    """KVMESH_CPU_ISA caps the engine's build (``worker.cpu_kernels.load``), in a fresh process
+    (a process loads its library once): ``avx2`` runs the 256-bit paths even on an AVX-512
+    CPU, ``portable`` the scalar loops. The build comes from the directory the kernel tests
+    filled, so nothing compiles here."""
+    (tmp_path / "kernels").symlink_to(libraries["native"].path.parent)
+    env = {**os.environ, "KVMESH_CACHE_DIR": str(tmp_path), "KVMESH_CPU_ISA": isa.upper()}
+    code = "from kvmesh.worker import cpu_kernels; print(cpu_kernels.load().vector_bits)"
+    if isa == "avx2" and not has_avx2():  # the cap on a CPU without AVX2: its own paths
+        want = native_vector_bits()
+    else:
+        want = {"native": native_vector_bits(), "avx2": 256, "portable": 0}[isa]
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert int(r.stdout.split()[-1]) == want
+    # a name outside the caps fails the engine's start, naming the variable and the choices
+    env["KVMESH_CPU_ISA"] = "avx3"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert r.returncode != 0
+    assert "KVMESH_CPU_ISA must be one of native, avx2, portable, got 'avx3'" in r.stderr
+
+
+def test_isa_cap_names_its_flags_and_rejects_others():
+    assert cpu_native.isa_flags("avx2") == cpu_native.AVX2_FLAGS
+    assert cpu_native.isa_flags("portable") == cpu_native.PORTABLE_FLAGS
+    assert cpu_native.isa_flags("native") == cpu_native.NATIVE_FLAGS
+    with pytest.raises(cpu_native.CpuKernelError, match="native, avx2 or portable"):
+        cpu_native.isa_flags("sse2")
 
 
 @pytest.mark.parametrize("build", BUILDS)

@@ -256,11 +256,18 @@ def test_plan_is_kept_per_thread_count():
 
 
 def test_isa_environment_is_part_of_the_machine_key(monkeypatch):
-    monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS", raising=False)
+    for name in autotune.ISA_ENV:
+        monkeypatch.delenv(name, raising=False)
     plain = autotune.machine_key()
     monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
     assert autotune.machine_key() != plain
     assert autotune.machine_key()["isa_env"] == {"MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    # kvmesh's own kernels' cap too: the prefill-attention tuner times them
+    monkeypatch.setenv("KVMESH_CPU_ISA", "avx2")
+    assert autotune.machine_key()["isa_env"] == {
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+        "KVMESH_CPU_ISA": "avx2",
+    }
 
 
 def test_two_tuners_sharing_a_file_keep_each_others_entries(tmp_path):
