@@ -28,15 +28,15 @@ _SIMD_FLAGS = (
 
 def machine_info() -> dict:
     """CPU model, the SIMD flags it has (of those above), the environment that caps the
-    instruction sets used (``isa_env``: e.g. ``KVMESH_CPU_ISA=avx2`` with oneDNN's and ATen's
-    caps, an AVX2-only CPU emulated), logical CPUs and 1-minute load."""
-    from kvmesh.kernels.autotune import ISA_ENV, cpu_model_and_flags  # the tuner's key reads both
+    instruction sets used (``isa_env``: e.g. ``KVMESH_CPU_ISA=avx2`` with oneDNN's, ATen's and
+    MKL's caps, an AVX2-only CPU emulated), logical CPUs and 1-minute load."""
+    from kvmesh.kernels.autotune import cpu_model_and_flags, isa_env  # the tuner's key reads both
 
     model, flags = cpu_model_and_flags()
     return {
         "cpu_model": model,
         "cpu_flags": [f for f in _SIMD_FLAGS if f in flags],
-        "isa_env": {k: os.environ[k] for k in ISA_ENV if k in os.environ},
+        "isa_env": isa_env(),
         "cpu_count": os.cpu_count(),
         "loadavg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
     }

@@ -417,24 +417,28 @@ def run_hf(args, prompts: list[list[int]], hf_model, tok) -> tuple[dict, dict]:
 
 # ---------------------------------------------------------------- vLLM
 
-# Runs inside the vLLM virtualenv. vLLM CPU starts worker processes, hence the main guard.
 # sitecustomize for the vLLM processes when KVMESH_CPU_ISA=avx2: vLLM picks its kernels by
 # torch's CPU checks (its AVX-512 or AVX2 build of _C, AVX-512-only paths), which read the
-# hardware; answering False there caps it at AVX2 as ONEDNN_MAX_CPU_ISA and
-# ATEN_CPU_CAPABILITY cap oneDNN, ATen and inductor
+# hardware; answering False there caps it at AVX2 as ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY
+# and MKL_ENABLE_INSTRUCTIONS cap oneDNN, ATen (and inductor) and MKL. It replaces any
+# sitecustomize of that virtualenv's Python (a plain venv has none).
 VLLM_AVX2_SHIM = """
-import torch.cpu
-
-for _name in (
-    "_is_avx512_supported",
-    "_is_avx512_bf16_supported",
-    "_is_vnni_supported",
-    "_is_amx_tile_supported",
-    "_is_amx_fp16_supported",
-):
-    setattr(torch.cpu, _name, lambda: False)
+try:
+    import torch.cpu
+except ImportError:  # a process of the tree without torch: nothing to cap
+    pass
+else:
+    for _name in (
+        "_is_avx512_supported",
+        "_is_avx512_bf16_supported",
+        "_is_vnni_supported",
+        "_is_amx_tile_supported",
+        "_is_amx_fp16_supported",
+    ):
+        setattr(torch.cpu, _name, lambda: False)
 """
 
+# Runs inside the vLLM virtualenv. vLLM CPU starts worker processes, hence the main guard.
 VLLM_SCRIPT = """
 import json
 import statistics
@@ -530,10 +534,20 @@ def isa_capped_at_avx2() -> bool:
     """Whether this run emulates an AVX2-only CPU (``KVMESH_CPU_ISA=avx2``; bench/README.md):
     then vLLM is capped too, and a warning names the caps missing beside it (set before torch
     loads, they cannot be set from here)."""
-    if os.environ.get("KVMESH_CPU_ISA", "").strip().lower() != "avx2":
+    from kvmesh.worker import envs
+
+    if envs.cpu_isa() != "avx2":
         return False
-    want = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
-    missing = [f"{k}={v}" for k, v in want.items() if os.environ.get(k, "").lower() != v.lower()]
+    want = {
+        ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"): "AVX2",
+        ("ATEN_CPU_CAPABILITY",): "avx2",
+        ("MKL_ENABLE_INSTRUCTIONS",): "AVX2",
+    }
+    missing = [
+        f"{names[0]}={v}"
+        for names, v in want.items()
+        if not any(os.environ.get(k, "").lower() == v.lower() for k in names)
+    ]
     if missing:
         log(f"warning: KVMESH_CPU_ISA=avx2 without {' '.join(missing)}: torch still runs AVX-512")
     return True
@@ -568,7 +582,7 @@ def run_vllm(
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
         env.setdefault("VLLM_TARGET_DEVICE", "cpu")
-        isa_cap = isa_capped_at_avx2()
+        isa_cap = args.isa_cap
         if isa_cap:  # the same cap as kvmesh's: vLLM's AVX-512 checks answer False
             shim = Path(tmp) / "avx2-shim"
             shim.mkdir()
@@ -699,6 +713,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    # a bad KVMESH_CPU_ISA, or caps missing beside avx2: said at once; vLLM gets the same cap
+    args.isa_cap = isa_capped_at_avx2()
     if args.threads:
         torch.set_num_threads(args.threads)
     t_start = time.monotonic()

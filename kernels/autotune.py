@@ -30,10 +30,10 @@ there than oneDNN; bench/README.md).
 The choice is cached in memory (every layer shares a shape) and on disk, in
 ``$KVMESH_AUTOTUNE_DIR/gemm.json`` (default ``<cache_dir>/autotune``), keyed by the CPU
 model, its flags, the torch version, the thread count, the environment variables that cap
-the instruction set MKL / oneDNN / ATen use (``ISA_ENV``) and the shape: a cache copied from
-another machine (other flags) or made by another torch is not used, its entries are re-
-measured (and kept beside the new ones); a file that cannot be read is ignored with a
-warning and rewritten. Each choice is logged on one line.
+the instruction set MKL / oneDNN / ATen and kvmesh's C kernels use (``ISA_ENV``) and the
+shape: a cache copied from another machine (other flags) or made by another torch is not
+used, its entries are re-measured (and kept beside the new ones); a file that cannot be read
+is ignored with a warning and rewritten. Each choice is logged on one line.
 
 Several processes of one host (the workers of a node) share the file: a tuner that misses
 takes an exclusive ``flock`` on ``gemm.json.lock``, re-reads the file (another process may
@@ -225,8 +225,13 @@ def machine_key() -> dict:
         "flags": flags,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
-        "isa_env": {k: os.environ[k] for k in ISA_ENV if k in os.environ},
+        "isa_env": isa_env(),
     }
+
+
+def isa_env() -> dict[str, str]:
+    """The ``ISA_ENV`` variables set in this process, by name (benches record them too)."""
+    return {k: os.environ[k] for k in ISA_ENV if k in os.environ}
 
 
 def _close(times: dict[str, list[float]]) -> bool:

@@ -117,6 +117,7 @@ SIGNATURES = {
 
 _lock = threading.Lock()
 _default: CpuLibrary | None = None
+_default_isa: str | None = None  # the cap _default was built for
 _error: str | None = None  # why the default library failed to build or load, once tried
 
 
@@ -212,12 +213,15 @@ def build(*, build_dir: Path, cc: str = "cc", isa: str = "native") -> CpuLibrary
     """Compile (or find in ``build_dir``) and load the default library once per process, for
     the instruction-set cap ``isa`` (``isa_flags``; the first call's cap holds for the
     process). Raises CpuKernelError saying why it cannot; a failure is remembered."""
-    global _default, _error
+    global _default, _default_isa, _error
+    flags = isa_flags(isa)  # an unknown cap fails this call only, not the process's library
+    if isa == "avx2" and flags == NATIVE_FLAGS:
+        isa = "native"  # what was built: no AVX-512 to turn off
     with _lock:
         if _default is None and _error is None:
             try:
-                path = compile_library(build_dir=build_dir, cc=cc, flags=isa_flags(isa))
-                _default = CpuLibrary(path)
+                _default = CpuLibrary(compile_library(build_dir=build_dir, cc=cc, flags=flags))
+                _default_isa = isa
                 bits = _default.vector_bits
                 log.info(
                     "kvmesh's CPU kernels: %s build, %s",
@@ -227,6 +231,11 @@ def build(*, build_dir: Path, cc: str = "cc", isa: str = "native") -> CpuLibrary
                 _error = str(e)
         if _default is None:
             raise CpuKernelError(_error)
+        if isa != _default_isa:
+            log.warning(
+                "kvmesh's CPU kernels: the %s build asked for, the %s build kept (the first "
+                "build holds for the process)", isa, _default_isa,
+            )  # fmt: skip
         return _default
 
 

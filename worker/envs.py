@@ -66,11 +66,13 @@ CPU_ISAS = ("native", "avx2", "portable")
 
 def cpu_isa() -> str:
     """KVMESH_CPU_ISA: the instruction set kvmesh's C kernels are built for: ``native``
-    (default: this CPU's, ``-march=native``), ``avx2`` (at most AVX2 + FMA + F16C on x86: the
-    AVX2 paths even where AVX-512 is present, as on most cloud VMs) or ``portable`` (no
-    -march: the scalar loops). A cap, like oneDNN's ``ONEDNN_MAX_CPU_ISA``: a CPU without AVX2
-    still gets its own paths. With ``ONEDNN_MAX_CPU_ISA=AVX2`` and ``ATEN_CPU_CAPABILITY=avx2``
-    beside it, an AVX-512 machine runs as an AVX2-only one would (bench/README.md)."""
+    (default: this CPU's, ``-march=native``), ``avx2`` (on x86 the native build with AVX-512
+    off: the AVX2 + FMA + F16C paths even where AVX-512 is present, as on an AVX2-only cloud
+    VM) or ``portable`` (no -march: the scalar loops). A cap, like oneDNN's
+    ``ONEDNN_MAX_CPU_ISA``: a CPU without AVX2 still gets its own paths. With
+    ``ONEDNN_MAX_CPU_ISA=AVX2``, ``ATEN_CPU_CAPABILITY=avx2`` and
+    ``MKL_ENABLE_INSTRUCTIONS=AVX2`` beside it, an AVX-512 machine runs the instructions an
+    AVX2-only one would (bench/README.md, "An AVX2-only CPU, emulated")."""
     v = _str("KVMESH_CPU_ISA", "").strip().lower() or "native"
     if v not in CPU_ISAS:
         raise ValueError(f"KVMESH_CPU_ISA must be one of {', '.join(CPU_ISAS)}, got {v!r}")

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from builds import has_avx2, host_builds, native_vector_bits
+from builds import has_avx2, host_builds, is_x86, native_vector_bits
 from kvsim import KVSim
 from test_decode_attention import _dense_decode
 
@@ -295,19 +295,50 @@ def test_the_engine_library_is_built_for_the_isa_cap(libraries, tmp_path, isa):
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert int(r.stdout.split()[-1]) == want
-    # a name outside the caps fails the engine's start, naming the variable and the choices
-    env["KVMESH_CPU_ISA"] = "avx3"
+
+
+def test_a_bad_or_second_isa_cap_is_named(libraries, tmp_path):
+    """A name outside the caps fails the engine's start, naming the variable and the choices;
+    passed to ``build`` it fails that call only; a second cap in one process keeps the first
+    build, with a warning that says so."""
+    (tmp_path / "kernels").symlink_to(libraries["native"].path.parent)
+    env = {**os.environ, "KVMESH_CACHE_DIR": str(tmp_path), "KVMESH_CPU_ISA": "avx3"}
+    code = "from kvmesh.worker import cpu_kernels; print(cpu_kernels.load().vector_bits)"
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert r.returncode != 0
     assert "KVMESH_CPU_ISA must be one of native, avx2, portable, got 'avx3'" in r.stderr
+    env["KVMESH_CPU_ISA"] = "native"
+    code = f"""
+import logging
+logging.basicConfig(level=logging.WARNING)
+from pathlib import Path
+from kvmesh.kernels import cpu_native
+d = Path({str(tmp_path / "kernels")!r})
+try:
+    cpu_native.build(build_dir=d, isa="sse2")
+except cpu_native.CpuKernelError as e:
+    print("refused:", e)
+a = cpu_native.build(build_dir=d, isa="native")
+b = cpu_native.build(build_dir=d, isa="portable")
+print("same:", a is b, a.vector_bits)
+"""
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "refused: unknown instruction-set cap 'sse2'" in r.stdout
+    assert f"same: True {native_vector_bits()}" in r.stdout
+    assert "the portable build asked for, the native build kept" in r.stderr
 
 
-def test_isa_cap_names_its_flags_and_rejects_others():
-    assert cpu_native.isa_flags("avx2") == cpu_native.AVX2_FLAGS
+def test_isa_cap_names_its_flags_and_rejects_others(monkeypatch):
+    # avx2 turns AVX-512 off on x86; elsewhere there is none to turn off: the native build
+    want = cpu_native.AVX2_FLAGS if is_x86() else cpu_native.NATIVE_FLAGS
+    assert cpu_native.isa_flags("avx2") == want
     assert cpu_native.isa_flags("portable") == cpu_native.PORTABLE_FLAGS
     assert cpu_native.isa_flags("native") == cpu_native.NATIVE_FLAGS
     with pytest.raises(cpu_native.CpuKernelError, match="native, avx2 or portable"):
         cpu_native.isa_flags("sse2")
+    monkeypatch.setattr(cpu_native, "_X86", False)
+    assert cpu_native.isa_flags("avx2") == cpu_native.NATIVE_FLAGS
 
 
 @pytest.mark.parametrize("build", BUILDS)
